@@ -1,0 +1,1 @@
+"""What every model line shares: plugins, engine, KV blocks, scheduling, sampling, loading."""

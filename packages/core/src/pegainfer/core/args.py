@@ -1,0 +1,89 @@
+"""Engine arguments: one typed struct shared by the CLI and the Python API.
+
+Each field carries its help text, so the CLI is generated from this struct and the two can
+never disagree. `validate` checks what can be checked without the model; `EngineConfig`
+(see `engine.py`) resolves what needs the model's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pegainfer.core.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _arg(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """Everything that shapes how the engine loads and serves one model."""
+
+    model: str = field(
+        metadata={"help": "Checkpoint directory or Hugging Face repo id (config.json inside)."}
+    )
+    tokenizer: str | None = _arg(None, "Tokenizer directory; defaults to the model's.")
+    revision: str | None = _arg(None, "Hub revision (branch, tag or commit) of a repo id.")
+    dtype: str = _arg(
+        "auto",
+        "Weight and activation dtype: auto (the checkpoint's on CUDA, float32 on the CPU), "
+        "float32, bfloat16 or float16.",
+    )
+    device: str = _arg("auto", "cuda, cuda:N or cpu; auto takes cuda when available.")
+    max_model_len: int | None = _arg(
+        None, "Longest sequence (prompt + output) served; defaults to the model's maximum."
+    )
+    max_num_seqs: int = _arg(256, "Most sequences in one engine step.")
+    max_num_batched_tokens: int = _arg(
+        2048, "Token budget of one engine step; longer prompts are prefilled in chunks."
+    )
+    block_size: int = _arg(16, "Tokens per KV-cache block.")
+    num_kv_blocks: int | None = _arg(
+        None, "Number of KV-cache blocks; by default sized from free memory."
+    )
+    gpu_memory_utilization: float = _arg(
+        0.90, "Fraction of GPU memory the engine may use for weights, activations and KV cache."
+    )
+    cpu_kv_cache_gib: float = _arg(
+        2.0, "On the CPU, the most memory (GiB) the KV cache may take when not sized by blocks."
+    )
+    enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of earlier prompts' prefixes.")
+    enable_chunked_prefill: bool = _arg(
+        True, "Split prompts longer than the step's token budget over several steps."
+    )
+    seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
+
+    def validate(self) -> EngineArgs:
+        """Raise `ConfigError` naming the first bad argument; return self when all are good."""
+
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value}")
+
+        if not self.model:
+            raise ConfigError("model must name a checkpoint directory or a repo id")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
+            positive(name)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"block_size must be a power of two up to 256, got {self.block_size}")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.cpu_kv_cache_gib <= 0:
+            raise ConfigError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
+        return self
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))

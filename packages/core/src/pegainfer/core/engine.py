@@ -1,0 +1,234 @@
+"""The engine core: one model, its KV cache, a scheduler and a sampler, stepped by its owner.
+
+It speaks only in token ids and the structs of `messages.py`. Tokenization, detokenization and
+stop strings belong to the frontend; the engine handles stops it can see in token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.block_manager import BlockManager
+from pegainfer.core.errors import ConfigError, InvalidRequestError
+from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.kv_cache import KVCache, blocks_for_memory, bytes_per_block
+from pegainfer.core.messages import EngineRequest, RequestOutput
+from pegainfer.core.model_files import read_config, resolve_model_dir
+from pegainfer.core.model_line import ModelContext, ModelLine
+from pegainfer.core.plugins import detect_model_line, model_lines
+from pegainfer.core.request import Request
+from pegainfer.core.sampler import SamplingBatch, sample
+from pegainfer.core.scheduler import SchedulerConfig, SchedulerStep
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The arguments resolved against the model and the machine."""
+
+    model_dir: Path
+    model_config: dict[str, Any]
+    line: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} was asked for, but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype on CUDA and computes in float32 on the CPU."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    declared = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    return _DTYPES.get(str(declared), torch.bfloat16)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
+        args.validate()
+        model_dir = resolve_model_dir(args.model, args.revision)
+        model_config = read_config(model_dir)
+        line = detect_model_line(model_config, model_lines() if lines is None else lines)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, model_config, device)
+        logger.info("Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype)
+        self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device))
+        self.model.eval()
+
+        max_model_len = args.max_model_len or self.model.max_position_embeddings
+        if max_model_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's maximum of "
+                f"{self.model.max_position_embeddings} positions"
+            )
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens})"
+                f" must be at least max_model_len ({max_model_len})"
+            )
+        specs = self.model.kv_arenas(args.block_size)
+        num_blocks = args.num_kv_blocks or self._default_num_blocks(args, specs, device)
+        if num_blocks * args.block_size < max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than "
+                f"one sequence of max_model_len {max_model_len} needs; lower max_model_len or "
+                "give the cache more memory"
+            )
+        self.kv_cache = KVCache(specs, num_blocks, device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            args.block_size,
+            self.kv_cache.nbytes / _GIB,
+        )
+        self.config = EngineConfig(
+            model_dir=model_dir,
+            model_config=model_config,
+            line=line.name,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size=args.block_size,
+            num_kv_blocks=num_blocks,
+            vocab_size=self.model.vocab_size,
+        )
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+        self.scheduler = line.scheduler_class()(scheduler_config, self.block_manager)
+        self.generator = torch.Generator(device).manual_seed(args.seed)
+        self.requests: dict[str, Request] = {}
+
+    @staticmethod
+    def _default_num_blocks(args: EngineArgs, specs: list, device: torch.device) -> int:
+        if device.type == "cpu":
+            return blocks_for_memory(specs, int(args.cpu_kv_cache_gib * _GIB))
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * args.gpu_memory_utilization) - (total - free)
+        if budget < bytes_per_block(specs):
+            raise ConfigError(
+                f"no GPU memory is left for the KV cache at gpu_memory_utilization "
+                f"{args.gpu_memory_utilization} ({free / _GIB:.1f} GiB free of {total / _GIB:.1f})"
+            )
+        return blocks_for_memory(specs, budget)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def check_request(self, msg: EngineRequest) -> int:
+        """Validate a request against the model; return its resolved max_tokens."""
+        prompt = msg.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt must contain at least one token", "prompt")
+        vocab = self.config.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        msg.params.validate(vocab)
+        limit = self.config.max_model_len
+        if len(prompt) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens, but this model's context is {limit} tokens "
+                "and at least one must be left to generate",
+                "prompt",
+            )
+        max_tokens = msg.params.max_tokens or limit - len(prompt)
+        if len(prompt) + max_tokens > limit:
+            raise InvalidRequestError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {limit} tokens",
+                "max_tokens",
+            )
+        return max_tokens
+
+    def add_request(self, msg: EngineRequest) -> None:
+        if msg.request_id in self.requests:
+            raise InvalidRequestError(f"request id {msg.request_id!r} is already in use")
+        max_tokens = self.check_request(msg)
+        generator = None
+        if msg.params.seed is not None:
+            generator = torch.Generator(self.config.device).manual_seed(msg.params.seed)
+        request = Request(msg, max_tokens, generator)
+        self.requests[msg.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Stop requests now; their blocks return to the pool."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None and self.scheduler.abort(request_id) is not None:
+                outputs.append(self._output(request, []))
+        return outputs
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch and report what each touched request produced."""
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        logits = self.model(self._forward_batch(step), self.kv_cache)
+        samplers = [c.request for c in step.chunks if c.samples]
+        sampling = SamplingBatch.from_requests(
+            samplers, self.config.vocab_size, self.generator, self.config.device
+        )
+        token_ids = sample(logits, sampling).tolist()
+        outputs = []
+        for request in self.scheduler.update(step, token_ids):
+            outputs.append(self._output(request, request.token_ids[-1:]))
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _forward_batch(self, step: SchedulerStep) -> ForwardBatch:
+        chunks, starts = [], []
+        for chunk in step.chunks:
+            start = chunk.request.num_computed_tokens
+            chunks.append(chunk.request.token_ids[start : start + chunk.num_tokens])
+            starts.append(start)
+        return ForwardBatch.build(
+            token_chunks=chunks,
+            start_positions=starts,
+            block_tables=[c.request.block_ids for c in step.chunks],
+            sample_mask=[c.samples for c in step.chunks],
+            block_size=self.config.block_size,
+            device=self.config.device,
+        )
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            finish_reason=request.finish_reason,
+            stop_token_id=request.stop_token_id,
+        )

@@ -1,0 +1,47 @@
+"""The message protocol between the frontend (HTTP, offline API) and the engine loop.
+
+Only these msgspec structs cross the boundary, so the loop can run in a thread of the same
+process or in a process of its own without either side changing.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pegainfer.core.sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """A tokenized request, validated by the frontend."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct):
+    request_ids: list[str]
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one step produced for one request.
+
+    `finish_reason` is "stop" (EOS or a stop token; `stop_token_id` says which),
+    "length" (max_tokens or the context filled up), "abort" or "error" (`error` says why).
+    `num_cached_tokens` is the prefix-cache hit of the request's first admission.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,55 @@
+"""Finding a checkpoint: a local directory, or a Hugging Face repo id fetched to the local cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pegainfer.core.errors import ConfigError
+
+_CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """The local directory holding `model`'s files, downloading them if `model` is a repo id."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{path} is a directory but holds no config.json")
+        return path.resolve()
+    if path.exists():
+        raise ConfigError(f"{path} is a file; pass the checkpoint's directory")
+    if model.count("/") != 1 or model.startswith(("/", ".", "~")):
+        raise ConfigError(f"{model!r} is neither a local directory nor a Hugging Face repo id")
+    return _download(model, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(
+            snapshot_download(repo_id, revision=revision, allow_patterns=_CHECKPOINT_PATTERNS)
+        )
+    except LocalEntryNotFoundError as exc:
+        raise ConfigError(
+            f"cannot fetch {repo_id!r}: the Hugging Face hub is unreachable and the repo is not "
+            "in the local cache; download it elsewhere and pass its directory"
+        ) from exc
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise ConfigError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {exc}") from exc
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        with open(model_dir / "config.json") as f:
+            config = json.load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{model_dir} holds no config.json") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{model_dir / 'config.json'} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{model_dir / 'config.json'} must hold a JSON object")
+    return config

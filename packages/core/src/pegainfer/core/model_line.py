@@ -1,0 +1,99 @@
+"""The contract between core and a model line (one package per model family).
+
+A line claims checkpoints by probing their `config.json`, builds the model (forward pass,
+weights, KV arenas) and may bring its own scheduler. Core never imports a line directly: lines
+arrive through the plugin manager (`plugins.py`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from pegainfer.core.forward_batch import ForwardBatch
+    from pegainfer.core.kv_cache import ArenaSpec, KVCache
+    from pegainfer.core.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A line's answer to "is this checkpoint yours?"; `reason` explains a refusal."""
+
+    claimed: bool
+    reason: str = ""
+
+    @classmethod
+    def claim(cls) -> Probe:
+        return cls(True)
+
+    @classmethod
+    def reject(cls, reason: str) -> Probe:
+        return cls(False, reason)
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What a line needs to build its model."""
+
+    model_dir: Path
+    config: dict[str, Any]
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Model(torch.nn.Module, ABC):
+    """A model line's forward pass over paged KV.
+
+    `forward` takes the flat batch of one engine step and returns the logits of the rows
+    listed in `batch.logits_indices`, in float32.
+    """
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_position_embeddings(self) -> int: ...
+
+    @abstractmethod
+    def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
+        """The cache tensors one KV block needs, for every layer."""
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor: ...
+
+
+class ModelLine(ABC):
+    """One model family: probe, build, and the policies that family needs."""
+
+    #: Short name, also the extra that installs the line (`pip install pegainfer[<name>]`).
+    name: str
+
+    @abstractmethod
+    def probe(self, config: dict[str, Any]) -> Probe:
+        """Claim or refuse a checkpoint from its config.json contents. Must be cheap."""
+
+    @abstractmethod
+    def build_model(self, ctx: ModelContext) -> Model:
+        """Build the model on `ctx.device` and load its weights from `ctx.model_dir`."""
+
+    def scheduler_class(self) -> type[Scheduler]:
+        """The scheduler this family runs under; core's default suits dense attention."""
+        from pegainfer.core.scheduler import Scheduler
+
+        return Scheduler
+
+    def write_tiny_checkpoint(
+        self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+    ) -> None:
+        """Write a small random checkpoint in the real layout (for tests and tryouts).
+
+        `overrides` replace config.json fields; `num_shards` > 1 writes a sharded checkpoint.
+        """
+        raise NotImplementedError(f"model line {self.name!r} has no tiny checkpoint writer")

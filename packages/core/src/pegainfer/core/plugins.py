@@ -1,0 +1,99 @@
+"""Plugin discovery: model lines arrive through pluggy hooks in the `pegainfer` entry-point group.
+
+A package adds a family by declaring, in its pyproject.toml,
+
+    [project.entry-points.pegainfer]
+    myfamily = "my_package.plugin"
+
+where `my_package.plugin` holds a function decorated with `hookimpl` named
+`pegainfer_model_lines` returning `ModelLine` instances. Hooks must be cheap and import heavy
+modules lazily: they run in every process that needs the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pluggy
+
+from pegainfer.core.errors import ModelLineError
+from pegainfer.core.model_line import ModelLine
+
+PROJECT = "pegainfer"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+logger = logging.getLogger(__name__)
+
+# model_type values of the families we publish, and the extra that installs each.
+KNOWN_FAMILIES: dict[str, str] = {
+    "qwen3": "qwen3",
+    "qwen3_5": "qwen35",
+    "qwen3_5_text": "qwen35",
+    "deepseek_v2": "deepseek",
+    "kimi_k2": "kimi-k2",
+    "deepseek_v3": "kimi-k2",
+    "glm_moe_dsa": "glm5",
+}
+
+
+class _Specs:
+    @hookspec
+    def pegainfer_model_lines(self) -> list[ModelLine]:  # type: ignore[empty-body]
+        """Return the model lines this plugin contributes."""
+
+
+def create_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
+    """A plugin manager with our hook specs and, by default, every installed plugin.
+
+    `PEGAINFER_PLUGINS` (a comma-separated list of entry-point names) restricts which
+    installed plugins load, as `VLLM_PLUGINS` does for vLLM.
+    """
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(_Specs)
+    if load_entry_points:
+        allowed = os.environ.get("PEGAINFER_PLUGINS")
+        if allowed is None:
+            pm.load_setuptools_entrypoints(PROJECT)
+        else:
+            for name in filter(None, (n.strip() for n in allowed.split(","))):
+                pm.load_setuptools_entrypoints(PROJECT, name=name)
+        logger.debug("pegainfer plugins: %s", [n for n, _ in pm.list_name_plugin()])
+    return pm
+
+
+def model_lines(pm: pluggy.PluginManager | None = None) -> list[ModelLine]:
+    """Every model line the installed plugins contribute, in registration order."""
+    pm = pm or create_plugin_manager()
+    lines = [line for group in pm.hook.pegainfer_model_lines() for line in group]
+    names = [line.name for line in lines]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ModelLineError(f"model line name(s) registered twice: {', '.join(duplicates)}")
+    return lines
+
+
+def detect_model_line(config: dict[str, Any], lines: list[ModelLine]) -> ModelLine:
+    """The one line that claims `config`; a `ModelLineError` explaining why otherwise."""
+    refusals = [(line, line.probe(config)) for line in lines]
+    claimed = [line for line, probe in refusals if probe.claimed]
+    if len(claimed) == 1:
+        return claimed[0]
+    model_type = config.get("model_type", "<missing>")
+    if claimed:
+        names = " and ".join(repr(line.name) for line in claimed)
+        raise ModelLineError(
+            f"model_type {model_type!r} is claimed by more than one installed model line: {names}; "
+            "uninstall one of them or restrict plugins with PEGAINFER_PLUGINS"
+        )
+    lines_text = "\n".join(f"  - {line.name}: {probe.reason}" for line, probe in refusals)
+    message = f"no installed model line supports model_type {model_type!r}."
+    extra = KNOWN_FAMILIES.get(str(model_type))
+    if extra is None and isinstance(config.get("text_config"), dict):
+        extra = KNOWN_FAMILIES.get(str(config["text_config"].get("model_type")))
+    if extra is not None and extra not in {line.name for line in lines}:
+        message += f" It belongs to the {extra!r} family: pip install 'pegainfer[{extra}]'."
+    message += "\nInstalled lines:\n" + (lines_text or "  (none)")
+    raise ModelLineError(message)

@@ -1,0 +1,74 @@
+"""The engine's state for one request: tokens, progress, blocks, and token-level stops."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from pegainfer.core.messages import EngineRequest
+from pegainfer.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """Token ids so far (prompt then output), how many have KV, and the blocks holding it."""
+
+    def __init__(
+        self, msg: EngineRequest, max_tokens: int, generator: torch.Generator | None
+    ) -> None:
+        self.request_id = msg.request_id
+        self.params: SamplingParams = msg.params
+        self.cache_salt = msg.cache_salt
+        self.arrival_time = msg.arrival_time
+        self.num_prompt_tokens = len(msg.prompt_token_ids)
+        self.token_ids: list[int] = list(msg.prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.generator = generator
+        eos = () if msg.params.ignore_eos else msg.eos_token_ids
+        self.stop_token_ids = frozenset(eos) | frozenset(msg.params.stop_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_sealed_blocks = 0
+        self.num_cached_tokens = -1  # set at first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def banned_token_ids(self) -> frozenset[int]:
+        """Tokens the sampler must not pick yet: stops are held off until `min_tokens`."""
+        if self.num_output_tokens < self.params.min_tokens:
+            return self.stop_token_ids
+        return frozenset()
+
+    def append_token(self, token_id: int, max_model_len: int) -> None:
+        """Record a sampled token and decide whether it ends the request."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_token_ids and self.num_output_tokens >= self.params.min_tokens:
+            self.finish_reason, self.stop_token_id = "stop", token_id
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"

@@ -1,0 +1,93 @@
+"""Token selection: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+This is the reference implementation and the CPU path. The filters apply in a fixed order on
+the temperature-scaled distribution: top-k, then top-p on what remains, then min-p relative
+to the most likely token. A token is then drawn by the exponential race (argmax of p / q with
+q ~ Exp(1)), which equals sampling from the renormalised distribution and needs no host sync.
+Requests with a seed draw their noise from their own generator, so their tokens do not depend
+on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.core.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, aligned with the logits rows."""
+
+    temperature: torch.Tensor  # [B] float32; rows with 0 are greedy
+    top_k: torch.Tensor  # [B] int64; vocab size when off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    generators: list[torch.Generator]
+    banned: list[frozenset[int]]  # tokens a row may not pick (stops before min_tokens)
+
+    @classmethod
+    def from_requests(
+        cls,
+        requests: Sequence[Request],
+        vocab_size: int,
+        default_generator: torch.Generator,
+        device: torch.device,
+    ) -> SamplingBatch:
+        params = [r.params for r in requests]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            generators=[r.generator or default_generator for r in requests],
+            banned=[r.banned_token_ids() for r in requests],
+        ).to(device)
+
+    def to(self, device: torch.device) -> SamplingBatch:
+        self.temperature = self.temperature.to(device)
+        self.top_k = self.top_k.to(device)
+        self.top_p = self.top_p.to(device)
+        self.min_p = self.min_p.to(device)
+        return self
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from, unnormalised: filtered tokens have mass 0."""
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= batch.top_k[:, None], -torch.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    # top-p keeps the smallest head whose mass reaches top_p: a token stays while the mass
+    # before it is below top_p (so the most likely token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= batch.top_p[:, None], 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    probs = probs.masked_fill(probs < batch.min_p[:, None] * probs[:, :1], 0.0)
+    return torch.empty_like(probs).scatter_(-1, order, probs)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Pick one token per row of `logits` [B, V]; returns int64 [B]."""
+    logits = logits.float()
+    for row, banned in enumerate(batch.banned):
+        if banned:
+            logits[row, list(banned)] = -torch.inf
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    probs = filtered_probs(logits, batch)
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(batch.generators):
+        noise[row].exponential_(generator=generator)
+    sampled = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return torch.where(batch.temperature > 0, sampled, greedy)

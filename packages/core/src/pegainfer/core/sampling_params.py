@@ -1,0 +1,80 @@
+"""Per-request sampling and stopping parameters.
+
+A msgspec struct, so it crosses the engine's message boundary unchanged. `validate` is the
+single place where out-of-range values are rejected; the engine trusts validated params.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from pegainfer.core.errors import InvalidRequestError
+
+# Largest seed we accept: torch generators take 64-bit seeds.
+_MAX_SEED = 2**63 - 1
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick tokens and when to stop. Defaults follow vLLM's `SamplingParams`.
+
+    temperature 0 means greedy. `top_k` <= 0 and `top_p` 1 disable those filters.
+    `max_tokens` None means "until the context is full".
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise `InvalidRequestError` naming the first bad field; return self when all are good."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature}", "temperature"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise InvalidRequestError(
+                f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}", "top_k"
+            )
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.seed is not None and not (-_MAX_SEED - 1 <= self.seed <= _MAX_SEED):
+            raise InvalidRequestError("seed must fit in a signed 64-bit integer", "seed")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
+            )
+        if self.min_tokens < 0:
+            raise InvalidRequestError(
+                f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                "min_tokens",
+            )
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty", "stop")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not (0 <= t < vocab_size)]
+            if bad:
+                raise InvalidRequestError(
+                    f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
+                    "stop_token_ids",
+                )
+        return self

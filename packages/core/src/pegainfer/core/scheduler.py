@@ -1,0 +1,195 @@
+"""Continuous batching under a token budget, with chunked prefill and recompute preemption.
+
+Each step the scheduler first serves running requests in admission order (a decode costs one
+token; a request still prefilling gets its next chunk), then admits waiting requests while
+budget, sequence slots and blocks last. A prompt's leading full blocks that are already cached
+are reused instead of recomputed. When blocks run out, the most recently admitted request is
+preempted: its blocks go back and it later recomputes (mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pegainfer.core.block_manager import BlockManager
+from pegainfer.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` of `request` computed this step; `samples` when they reach its last token."""
+
+    request: Request
+    num_tokens: int
+    samples: bool
+
+
+@dataclass
+class SchedulerStep:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.block_size = block_manager.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is and free its blocks; None if it is not here."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._finish(request, "abort")
+                    return request
+        return None
+
+    def schedule(self) -> SchedulerStep:
+        step = SchedulerStep()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk_size(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self._allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                step.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                step.chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+                i += 1
+
+        while (
+            self.waiting
+            and not step.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit = self._match_prefix(request)
+            request.num_computed_tokens = len(hit) * self.block_size
+            num_new = self._chunk_size(request, budget)
+            self.blocks.acquire(hit)
+            request.block_ids = list(hit)
+            request.num_sealed_blocks = len(hit)
+            if num_new == 0 or not self._allocate(request, num_new):
+                self.blocks.release(request.block_ids)
+                self._reset(request)
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return step
+
+    def update(self, step: SchedulerStep, sampled: Iterable[int]) -> list[Request]:
+        """Advance every scheduled request; return those that got a token or finished."""
+        tokens = iter(sampled)
+        touched: list[Request] = []
+        for chunk in step.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                request.append_token(next(tokens), self.config.max_model_len)
+                touched.append(request)
+            self._seal_full_blocks(request)
+            if request.finish_reason is not None:
+                self.running.remove(request)
+                self._finish(request, request.finish_reason)
+        return touched
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        samples = request.num_computed_tokens + num_new == request.num_tokens
+        return ScheduledChunk(request, num_new, samples)
+
+    def _match_prefix(self, request: Request) -> list[int]:
+        self.blocks.extend_block_hashes(
+            request.token_ids, request.block_hashes, request.cache_salt
+        )
+        # Leave at least one token to compute: its logits give the next token.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.blocks.match_prefix(request.block_hashes, max_blocks)
+
+    def _allocate(self, request: Request, num_new: int) -> bool:
+        total = request.num_computed_tokens + num_new
+        needed = -(-total // self.block_size) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        fresh = self.blocks.allocate(needed)
+        if fresh is None:
+            return False
+        request.block_ids.extend(fresh)
+        return True
+
+    def _seal_full_blocks(self, request: Request) -> None:
+        """Publish blocks whose every token now has KV, so later prompts can reuse them."""
+        if not self.blocks.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_sealed_blocks:
+            return
+        self.blocks.extend_block_hashes(
+            request.token_ids, request.block_hashes, request.cache_salt
+        )
+        for index in range(request.num_sealed_blocks, num_full):
+            self.blocks.seal(request.block_ids[index], request.block_hashes[index])
+        request.num_sealed_blocks = num_full
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.release(request.block_ids)
+        self._reset(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _reset(self, request: Request) -> None:
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_sealed_blocks = 0
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.blocks.release(request.block_ids)
+        request.block_ids = []
+        request.finish_reason = reason
+        request.status = RequestStatus.FINISHED

@@ -1,0 +1,110 @@
+"""Loading safetensors checkpoints into a model's parameters.
+
+The line maps each checkpoint tensor name to a parameter and a row offset in it (so q/k/v can
+land in one fused qkv matrix); this module reads the files (sharded or not, memory-mapped),
+converts dtypes, checks shapes, and proves every parameter row was written exactly once.
+The memory maps are closed file by file, so nothing of the checkpoint stays mapped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from pegainfer.core.errors import WeightLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where a checkpoint tensor goes: `param[row_offset : row_offset + len(tensor)]`."""
+
+    param: str
+    row_offset: int = 0
+
+
+NameMap = Callable[[str], WeightTarget | None]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index when it is sharded."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightLoadError(f"{INDEX_FILE} names files missing from {model_dir}: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors weight files in {model_dir}")
+    return files
+
+
+def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every (name, tensor) of `files`; tensors are views of the file's memory map."""
+    for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:
+            raise WeightLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def load_weights(
+    params: dict[str, torch.Tensor],
+    model_dir: Path,
+    name_map: NameMap,
+    progress: bool = True,
+) -> None:
+    """Fill `params` from the checkpoint in `model_dir`, converting to each parameter's dtype."""
+    written: dict[str, int] = dict.fromkeys(params, 0)
+    with torch.no_grad():
+        for name, tensor in iter_tensors(checkpoint_files(model_dir), progress):
+            target = name_map(name)
+            if target is None:
+                continue
+            param = params.get(target.param)
+            if param is None:
+                raise WeightLoadError(
+                    f"checkpoint tensor {name!r} maps to unknown parameter {target.param!r}"
+                )
+            rows = slice(target.row_offset, target.row_offset + tensor.shape[0])
+            region = param[rows] if param.dim() > 0 else param
+            if tuple(region.shape) != tuple(tensor.shape):
+                raise WeightLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but parameter "
+                    f"{target.param!r} expects {tuple(region.shape)} at rows {rows.start}.."
+                )
+            region.copy_(tensor)
+            written[target.param] += tensor.shape[0] if param.dim() > 0 else 1
+    _check_complete(params, written, model_dir)
+
+
+def _check_complete(
+    params: dict[str, torch.Tensor], written: dict[str, int], model_dir: Path
+) -> None:
+    missing, duplicated = [], []
+    for name, param in params.items():
+        expected = param.shape[0] if param.dim() > 0 else 1
+        if written[name] < expected:
+            missing.append(name)
+        elif written[name] > expected:
+            duplicated.append(name)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise WeightLoadError(
+            f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the model needs: {shown}"
+        )
+    if duplicated:
+        raise WeightLoadError(f"checkpoint in {model_dir} writes these parameters twice: {duplicated}")

@@ -1,0 +1,40 @@
+"""The Qwen3 model line: claims `model_type: qwen3` checkpoints and builds their model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.weights import load_weights
+from pegainfer.models.qwen3.config import Qwen3Config
+
+
+class Qwen3Line(ModelLine):
+    name = "qwen3"
+
+    def probe(self, config: dict[str, Any]) -> Probe:
+        model_type = config.get("model_type")
+        if model_type == "qwen3":
+            return Probe.claim()
+        return Probe.reject(f"model_type is {model_type!r}, not 'qwen3'")
+
+    def build_model(self, ctx: ModelContext) -> Model:
+        from pegainfer.models.qwen3.model import Qwen3ForCausalLM
+
+        cfg = Qwen3Config.from_dict(ctx.config)
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(cfg).to(ctx.dtype)
+        model = model.to_empty(device=ctx.device)
+        load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map)
+        model.init_rope(ctx.device)
+        return model
+
+    def write_tiny_checkpoint(
+        self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+    ) -> None:
+        from pegainfer.models.qwen3.tiny import write_tiny_qwen3
+
+        write_tiny_qwen3(out_dir, seed=seed, num_shards=num_shards, **overrides)

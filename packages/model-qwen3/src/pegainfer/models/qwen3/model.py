@@ -1,0 +1,128 @@
+"""Qwen3's forward pass over paged KV, in plain torch ops (the reference and the CPU path).
+
+Parameters are fused where the GPU path wants them fused: q/k/v in one matrix, gate/up in one.
+The forward follows transformers' `Qwen3ForCausalLM` op for op, casts included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.kv_cache import ArenaSpec, KVCache
+from pegainfer.core.model_line import Model
+from pegainfer.core.ops.activation import silu_and_mul
+from pegainfer.core.ops.paged_attention import paged_attention, write_kv
+from pegainfer.core.ops.rms_norm import add_rms_norm, rms_norm
+from pegainfer.core.ops.rotary import RotaryEmbedding
+from pegainfer.core.weights import WeightTarget
+from pegainfer.models.qwen3.config import Qwen3Config
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = _param(cfg.hidden_size)
+        self.qkv_proj = _param(q_size + 2 * kv_size, cfg.hidden_size)
+        self.q_norm = _param(cfg.head_dim)
+        self.k_norm = _param(cfg.head_dim)
+        self.o_proj = _param(cfg.hidden_size, q_size)
+        self.post_attention_layernorm = _param(cfg.hidden_size)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
+
+    def attention(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_layer: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        tokens = x.shape[0]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = F.linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
+        q = rms_norm(q.view(tokens, cfg.num_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k.view(tokens, cfg.num_kv_heads, cfg.head_dim), self.k_norm, cfg.rms_norm_eps)
+        q = rope.apply(q, batch.positions)
+        k = rope.apply(k, batch.positions)
+        write_kv(kv_layer, k, v.view(tokens, cfg.num_kv_heads, cfg.head_dim), batch)
+        out = paged_attention(q, kv_layer, batch, scale=cfg.head_dim**-0.5)
+        return F.linear(out.reshape(tokens, -1), self.o_proj)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+
+
+class Qwen3ForCausalLM(Model):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.rope: RotaryEmbedding | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def init_rope(self, device: torch.device) -> None:
+        cfg = self.cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
+
+    def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
+        cfg = self.cfg
+        block = (2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [ArenaSpec("kv", cfg.num_layers, block, self.embed_tokens.dtype)]
+
+    def checkpoint_name_map(self, name: str) -> WeightTarget | None:
+        """Map a Hugging Face checkpoint tensor name to our (fused) parameter."""
+        cfg = self.cfg
+        if name == "lm_head.weight":
+            return None if cfg.tie_word_embeddings else WeightTarget("lm_head")
+        if not name.startswith("model.") or not name.endswith(".weight"):
+            return WeightTarget(name)  # unknown: the loader reports it
+        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        if parts[0] != "layers":
+            return WeightTarget(parts[0])
+        layer = f"layers.{parts[1]}"
+        leaf = parts[-1]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        offsets = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q_size),
+            "v_proj": ("qkv_proj", q_size + kv_size),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size),
+        }
+        param, offset = offsets.get(leaf, (leaf, 0))
+        return WeightTarget(f"{layer}.{param}", offset)
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        assert self.rope is not None, "init_rope() must run before the first forward"
+        eps = self.cfg.rms_norm_eps
+        kv = kv_cache["kv"]
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        residual = None
+        for index, layer in enumerate(self.layers):
+            x, residual = add_rms_norm(hidden, residual, layer.input_layernorm, eps)
+            hidden = layer.attention(x, batch, kv[index], self.rope)
+            x, residual = add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)
+            hidden = layer.mlp(x)
+        x, _ = add_rms_norm(hidden, residual, self.norm, eps)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(x[batch.logits_indices], head).float()
