@@ -1,0 +1,124 @@
+"""The request side of the engine boundary, shared by the offline API and the HTTP server.
+
+`Frontend` turns prompts and chats into validated `EngineRequest`s; `RequestStream` turns the
+engine's token-id outputs for one request back into text, applying stop strings (which the
+engine cannot see). Neither runs on the engine loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pegainfer.core.detokenizer import IncrementalDetokenizer
+from pegainfer.core.generation_config import GenerationDefaults
+from pegainfer.core.messages import EngineRequest, RequestOutput
+from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.tokenizer import Tokenizer
+
+
+@dataclass
+class StreamDelta:
+    """What one engine output added to a request, in text and tokens."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # Set when a stop string ended the request but the engine does not know yet.
+    abort_engine: bool = False
+
+
+@dataclass
+class RequestStream:
+    """Frontend state of one request: incremental text, stop strings, final accounting."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    prompt: str | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            self.prompt_token_ids,
+            skip_special_tokens=self.params.skip_special_tokens,
+            stop=self.params.stop,
+            min_tokens=self.params.min_tokens,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process(self, output: RequestOutput) -> StreamDelta:
+        """Fold one engine output in; after the request finished, outputs are ignored."""
+        if self.finished:
+            return StreamDelta("", [], finished=True)
+        self.num_cached_tokens = output.num_cached_tokens
+        self.token_ids.extend(output.new_token_ids)
+        decoded = self._detokenizer.push(output.new_token_ids)
+        text = decoded.text
+        delta = StreamDelta(text, list(output.new_token_ids))
+        if decoded.finished:
+            self.finish_reason, self.stop_reason = "stop", self._detokenizer.stop_reason
+            delta.abort_engine = not output.finished
+        elif output.finished:
+            delta.text += self._detokenizer.flush()
+            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_token_id
+        self.text += delta.text
+        delta.finished = self.finished
+        delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
+        return delta
+
+
+class Frontend:
+    """Tokenizer, chat template and generation defaults of one served model."""
+
+    def __init__(self, model_dir: Path, tokenizer_dir: Path | None = None) -> None:
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir or model_dir)
+        self.defaults = GenerationDefaults.from_dir(model_dir, self.tokenizer.eos_token_id)
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        return self.defaults.sampling_params(**overrides)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Render a conversation with the model's chat template and tokenize it."""
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **(chat_template_kwargs or {}),
+        )
+        # The template writes any special tokens itself.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> EngineRequest:
+        return EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            eos_token_ids=list(self.defaults.eos_token_ids),
+            arrival_time=time.time(),
+        )
