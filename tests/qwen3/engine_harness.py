@@ -1,0 +1,49 @@
+"""Drive `EngineCore` with token-id prompts and collect each request's output tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine import EngineCore
+from pegainfer.core.messages import EngineRequest
+from pegainfer.core.sampling_params import SamplingParams
+
+
+def make_engine(path: Path, **overrides) -> EngineCore:
+    args = dict(model=str(path), device="cpu", dtype="float32", max_model_len=512, block_size=4)
+    return EngineCore(EngineArgs(**(args | overrides)))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def submit(engine: EngineCore, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    engine.add_request(
+        EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            eos_token_ids=[],
+            arrival_time=0.0,
+        )
+    )
+
+
+def drain(engine: EngineCore, max_steps: int = 100_000) -> dict[str, list[int]]:
+    """Step until every request finished; return output tokens by request id."""
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests:
+            return tokens
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    raise AssertionError("the engine did not finish its requests")
+
+
+def generate(engine: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        submit(engine, str(i), prompt, params)
+    out = drain(engine)
+    return [out[str(i)] for i in range(len(prompts))]

@@ -1,0 +1,105 @@
+"""End to end through the engine (scheduler, blocks, sampler) against transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.qwen3.engine_harness import drain, generate, greedy, make_engine, submit
+from tests.qwen3.hf_reference import VOCAB, load_hf
+
+NEW_TOKENS = 32
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_checkpoints):
+    """Eight prompts of different lengths and transformers' greedy continuations."""
+    path = hf_checkpoints(False)
+    hf = load_hf(path)
+    batch = prompts([1, 3, 8, 13, 21, 34, 55, 90])
+    return path, batch, [hf_greedy(hf, p, NEW_TOKENS) for p in batch]
+
+
+def test_greedy_batch_equals_transformers(reference):
+    path, batch, expected = reference
+    assert generate(make_engine(path), batch, greedy(NEW_TOKENS)) == expected
+
+
+def test_chunked_prefill_in_the_same_steps_as_decodes(reference):
+    path, batch, expected = reference
+    engine = make_engine(path, max_num_batched_tokens=16)
+    assert generate(engine, batch, greedy(NEW_TOKENS)) == expected
+
+
+def test_preemption_with_few_blocks(reference):
+    """32 requests on a pool that holds a few sequences: all finish, outputs unchanged."""
+    path, batch, expected = reference
+    many = batch * 4
+    engine = make_engine(path, num_kv_blocks=128, max_model_len=128)
+    for i, prompt in enumerate(many):
+        submit(engine, str(i), prompt, greedy(NEW_TOKENS))
+    preempted = 0
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        preempted = max(preempted, sum(r.num_preemptions for r in engine.requests.values()))
+    assert preempted > 0, "the pool was large enough that nothing was preempted"
+    assert [outputs[str(i)] for i in range(len(many))] == expected * 4
+    assert engine.block_manager.usage == 0.0
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_outputs(reference):
+    path, batch, _ = reference
+    shared = batch[-1][:64]
+    first, second = shared + [1, 2, 3], shared + [4, 5]
+    outputs = {}
+    for caching in (True, False):
+        engine = make_engine(path, enable_prefix_caching=caching)
+        submit(engine, "first", first, greedy(8))
+        drain(engine)
+        submit(engine, "second", second, greedy(8))
+        engine.step()
+        cached = engine.requests["second"].num_cached_tokens
+        outputs[caching] = drain(engine)
+        assert cached == (64 if caching else 0)
+        assert engine.block_manager.stats.hits == (16 if caching else 0)
+    assert outputs[True] == outputs[False]
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_right(reference):
+    """Cached blocks are evicted to make room; a repeated prompt still hits and stays right."""
+    path, batch, expected = reference
+    engine = make_engine(path, num_kv_blocks=40, max_model_len=128)
+    for round_ in range(2):
+        for i, prompt in enumerate(batch):
+            for attempt in range(2):
+                rid = f"{round_}-{i}-{attempt}"
+                submit(engine, rid, prompt, greedy(NEW_TOKENS))
+                first = engine.step()[0].new_token_ids
+                cached = engine.requests[rid].num_cached_tokens
+                assert first + drain(engine)[rid] == expected[i]
+                if attempt == 1 and len(prompt) > 4:
+                    assert cached == (len(prompt) - 1) // 4 * 4
+    # Far more blocks were filled than the pool holds, so eviction happened throughout.
+    assert 2 * 2 * sum(len(p) + NEW_TOKENS for p in batch) // 4 > 3 * 40
