@@ -11,7 +11,7 @@ import msgspec
 from pegainfer.core.sampling_params import SamplingParams
 
 
-class EngineRequest(msgspec.Struct, kw_only=True):
+class EngineRequest(msgspec.Struct, kw_only=True, tag=True):
     """A tokenized request, validated by the frontend."""
 
     request_id: str
@@ -22,8 +22,15 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
 
 
-class AbortRequest(msgspec.Struct):
+class AbortRequest(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop the engine loop after the current step."""
+
+
+Inbound = EngineRequest | AbortRequest | Shutdown
 
 
 class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -45,3 +52,9 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class EngineOutputs(msgspec.Struct):
+    """Everything one engine step (or one batch of inbound messages) produced."""
+
+    outputs: list[RequestOutput]

@@ -1,0 +1,62 @@
+"""The engine loop in its thread, driven only through encoded messages."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from pegainfer.core.engine_loop import EngineLoop, decode_outputs
+from pegainfer.core.messages import AbortRequest, EngineRequest
+from pegainfer.core.sampling_params import SamplingParams
+from tests.qwen3.engine_harness import generate, greedy, make_engine
+
+
+def request(rid: str, prompt: list[int], params: SamplingParams) -> EngineRequest:
+    return EngineRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params, eos_token_ids=[], arrival_time=0
+    )
+
+
+@pytest.fixture
+def loop(hf_checkpoints):
+    outputs: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+    engine_loop = EngineLoop(make_engine(hf_checkpoints(True)), outputs.put)
+    engine_loop.start()
+    yield engine_loop, outputs
+    engine_loop.shutdown()
+    assert not engine_loop.alive
+
+
+def collect(outputs: queue.SimpleQueue, expect: set[str]) -> dict[str, tuple[list[int], str]]:
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while set(reasons) != expect:
+        for out in decode_outputs(outputs.get(timeout=30)).outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                reasons[out.request_id] = out.error or out.finish_reason
+    return {rid: (tokens[rid], reasons[rid]) for rid in expect}
+
+
+def test_loop_generates_like_the_engine(loop, hf_checkpoints):
+    engine_loop, outputs = loop
+    prompts = [[1, 2, 3], list(range(40)), [7] * 9]
+    for i, prompt in enumerate(prompts):
+        engine_loop.send(request(str(i), prompt, greedy(12)))
+    got = collect(outputs, {"0", "1", "2"})
+    expected = generate(make_engine(hf_checkpoints(True)), prompts, greedy(12))
+    assert [got[str(i)] for i in range(3)] == [(e, "length") for e in expected]
+
+
+def test_abort_and_bad_request_do_not_disturb_others(loop):
+    engine_loop, outputs = loop
+    engine_loop.send(request("long", [5, 6, 7], greedy(400)))
+    engine_loop.send(request("bad", [1, 2], SamplingParams(top_p=0.0)))
+    engine_loop.send(request("ok", [8, 9], greedy(5)))
+    engine_loop.send(AbortRequest(["long"]))
+    got = collect(outputs, {"long", "bad", "ok"})
+    assert got["long"][1] == "abort" and len(got["long"][0]) < 400
+    assert "top_p" in got["bad"][1]
+    assert got["ok"] == (got["ok"][0], "length") and len(got["ok"][0]) == 5
+    assert engine_loop.engine.block_manager.usage == 0.0
