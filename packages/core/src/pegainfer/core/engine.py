@@ -17,7 +17,7 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import KVCache, blocks_for_memory, bytes_per_block
+from pegainfer.core.kv_cache import ArenaSpec, KVCache, blocks_for_memory, bytes_per_block
 from pegainfer.core.messages import EngineRequest, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine
@@ -90,7 +90,9 @@ class EngineCore:
                 f" must be at least max_model_len ({max_model_len})"
             )
         specs = self.model.kv_arenas(args.block_size)
-        num_blocks = args.num_kv_blocks or self._default_num_blocks(args, specs, device)
+        num_blocks = args.num_kv_blocks or self._default_num_blocks(
+            args, specs, device, max_model_len
+        )
         if num_blocks * args.block_size < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than "
@@ -127,9 +129,13 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
 
     @staticmethod
-    def _default_num_blocks(args: EngineArgs, specs: list, device: torch.device) -> int:
+    def _default_num_blocks(
+        args: EngineArgs, specs: list[ArenaSpec], device: torch.device, max_model_len: int
+    ) -> int:
         if device.type == "cpu":
-            return blocks_for_memory(specs, int(args.cpu_kv_cache_gib * _GIB))
+            # Never more than every sequence slot at full length could use.
+            useful = args.max_num_seqs * -(-max_model_len // args.block_size)
+            return min(useful, blocks_for_memory(specs, int(args.cpu_kv_cache_gib * _GIB)))
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * args.gpu_memory_utilization) - (total - free)
         if budget < bytes_per_block(specs):

@@ -1,0 +1,122 @@
+"""Plugin discovery and model-line detection."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine import EngineCore
+from pegainfer.core.errors import ModelLineError
+from pegainfer.core.model_line import ModelLine, Probe
+from pegainfer.core.plugins import (
+    create_plugin_manager,
+    detect_model_line,
+    hookimpl,
+    model_lines,
+)
+from tests.qwen3.engine_harness import drain, submit
+from pegainfer.core.sampling_params import SamplingParams
+
+FIXTURE = Path(__file__).parent / "plugin_fixture" / "counting_line.py"
+
+
+@pytest.fixture
+def installed_counting_plugin(tmp_path, monkeypatch) -> Path:
+    """Install the test-only line as a third party would: a module plus an entry point."""
+    shutil.copy(FIXTURE, tmp_path / "counting_line.py")
+    dist_info = tmp_path / "pegainfer_counting-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pegainfer-counting\nVersion: 0.1\n"
+    )
+    (dist_info / "entry_points.txt").write_text("[pegainfer]\ncounting = counting_line\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_installed_lines_are_discovered():
+    assert "qwen3" in [line.name for line in model_lines()]
+
+
+def test_a_third_party_line_serves_through_the_engine(installed_counting_plugin, tmp_path):
+    names = [line.name for line in model_lines()]
+    assert {"qwen3", "counting"} <= set(names)
+    model_dir = tmp_path / "ckpt"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "counting", "vocab_size": 50}))
+    engine = EngineCore(EngineArgs(model=str(model_dir), device="cpu", block_size=4))
+    assert engine.config.line == "counting"
+    submit(engine, "r", [3, 4, 5], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert drain(engine) == {"r": [6, 7, 8, 9, 10, 11]}
+
+
+def test_plugin_allow_list(installed_counting_plugin, monkeypatch):
+    monkeypatch.setenv("PEGAINFER_PLUGINS", "counting")
+    assert [line.name for line in model_lines()] == ["counting"]
+    monkeypatch.setenv("PEGAINFER_PLUGINS", "")
+    assert model_lines(create_plugin_manager()) == []
+
+
+class _Line(ModelLine):
+    def __init__(self, name: str, claims: set[str]) -> None:
+        self.name = name
+        self.claims = claims
+
+    def probe(self, config: dict[str, Any]) -> Probe:
+        if config.get("model_type") in self.claims:
+            return Probe.claim()
+        return Probe.reject(f"{self.name} only serves {sorted(self.claims)}")
+
+    def build_model(self, ctx):  # pragma: no cover - never built here
+        raise AssertionError
+
+
+def test_exactly_one_line_claims():
+    a, b = _Line("a", {"x"}), _Line("b", {"y"})
+    assert detect_model_line({"model_type": "y"}, [a, b]) is b
+
+
+def test_two_claims_name_both():
+    with pytest.raises(ModelLineError, match="'a' and 'b'"):
+        detect_model_line({"model_type": "x"}, [_Line("a", {"x"}), _Line("b", {"x"})])
+
+
+def test_no_claim_lists_each_reason():
+    with pytest.raises(ModelLineError) as err:
+        detect_model_line({"model_type": "z"}, [_Line("a", {"x"}), _Line("b", {"y"})])
+    assert "a only serves ['x']" in str(err.value) and "b only serves ['y']" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "extra"),
+    [
+        ({"model_type": "qwen3_5"}, "qwen35"),
+        ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}, "qwen35"),
+        ({"model_type": "deepseek_v2"}, "deepseek"),
+        ({"model_type": "kimi_k2"}, "kimi-k2"),
+        ({"model_type": "deepseek_v3"}, "kimi-k2"),
+        ({"model_type": "glm_moe_dsa"}, "glm5"),
+    ],
+)
+def test_known_family_names_its_extra(config, extra):
+    with pytest.raises(ModelLineError, match=rf"pip install 'pegainfer\[{extra}\]'"):
+        detect_model_line(config, model_lines())
+
+
+def test_duplicate_line_names_are_refused():
+    pm = create_plugin_manager(load_entry_points=False)
+
+    class Plugin:
+        @hookimpl
+        def pegainfer_model_lines(self) -> list[ModelLine]:
+            return [_Line("a", {"x"})]
+
+    pm.register(Plugin(), "one")
+    pm.register(Plugin(), "two")
+    with pytest.raises(ModelLineError, match="registered twice: a"):
+        model_lines(pm)
