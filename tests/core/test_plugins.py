@@ -19,8 +19,8 @@ from pegainfer.core.plugins import (
     hookimpl,
     model_lines,
 )
-from tests.qwen3.engine_harness import drain, submit
 from pegainfer.core.sampling_params import SamplingParams
+from tests.qwen3.engine_harness import drain, submit
 
 FIXTURE = Path(__file__).parent / "plugin_fixture" / "counting_line.py"
 

@@ -22,4 +22,3 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool],
         return cache[tie]
 
     return get
-

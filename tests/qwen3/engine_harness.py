@@ -42,7 +42,9 @@ def drain(engine: EngineCore, max_steps: int = 100_000) -> dict[str, list[int]]:
     raise AssertionError("the engine did not finish its requests")
 
 
-def generate(engine: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def generate(
+    engine: EngineCore, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
         submit(engine, str(i), prompt, params)
     out = drain(engine)

@@ -42,7 +42,6 @@ def write_hf_checkpoint(path: Path, *, tie: bool, seed: int = 0, layers: int = 2
     return path
 
 
-
 def load_ours(path: Path) -> Qwen3ForCausalLM:
     ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"))
     model = Qwen3Line().build_model(ctx)

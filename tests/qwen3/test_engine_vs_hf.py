@@ -72,7 +72,7 @@ def test_preemption_with_few_blocks(reference):
 def test_prefix_cache_reuses_blocks_and_keeps_outputs(reference):
     path, batch, _ = reference
     shared = batch[-1][:64]
-    first, second = shared + [1, 2, 3], shared + [4, 5]
+    first, second = [*shared, 1, 2, 3], [*shared, 4, 5]
     outputs = {}
     for caching in (True, False):
         engine = make_engine(path, enable_prefix_caching=caching)

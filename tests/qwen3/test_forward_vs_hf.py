@@ -7,7 +7,6 @@ import torch
 
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import KVCache
-
 from tests.qwen3.hf_reference import VOCAB, load_hf, load_ours
 
 BLOCK = 4
@@ -104,8 +103,10 @@ def test_token_by_token_decode(models):
 def test_mixed_batch(models):
     """Fresh prefills of different lengths, a mid-prompt chunk and decodes in one step."""
     ours, hf = models
-    seqs = {name: random_tokens(n, seed=i) for i, (name, n) in enumerate(
-        [("p1", 3), ("p2", 21), ("chunk", 30), ("d1", 9), ("d2", 14)])}
+    seqs = {
+        name: random_tokens(n, seed=i)
+        for i, (name, n) in enumerate([("p1", 3), ("p2", 21), ("chunk", 30), ("d1", 9), ("d2", 14)])
+    }
     refs = {name: hf_logits(hf, tokens) for name, tokens in seqs.items()}
     runner = PagedRunner(ours)
     runner.step({"chunk": seqs["chunk"][:11], "d1": seqs["d1"][:8], "d2": seqs["d2"][:13]})

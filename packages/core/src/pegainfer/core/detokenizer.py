@@ -65,14 +65,16 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._num_generated = 0
 
-        self._text = ""  # decoded output text, cut at a stop string once one matches
-        self._emitted = 0  # how much of _text was handed out
+        # Decoded text is emitted, or pending while it may be the start of a stop string. Only
+        # the pending tail is ever searched, so long outputs cost no more per token than short.
+        self._emitted: list[str] = []
+        self._pending = ""
         self.stop_reason: str | None = None
 
     @property
     def output_text(self) -> str:
         """All text emitted so far."""
-        return self._text[: self._emitted]
+        return "".join(self._emitted)
 
     @property
     def finished(self) -> bool:
@@ -121,36 +123,41 @@ class IncrementalDetokenizer:
         """Add newly decoded text and cut the output at a stop string it completes."""
         if not text:
             return
-        start = len(self._text)
-        self._text += text
+        start = len(self._pending)
+        self._pending += text
         if not self._stop or self._num_generated < self._min_tokens:
             return
-        # A new match must end inside the new text; the earliest one wins.
+        # A new match ends inside the new text, and starts inside the pending text: emitted text
+        # never ends with the start of a stop string. The match completed first, reading character
+        # by character, wins (the longest on a tie), so tokenization does not change the result.
         matches = []
         for s in self._stop:
-            index = self._text.find(s, max(0, start - len(s) + 1))
+            index = self._pending.find(s, max(0, start - len(s) + 1))
             if index >= 0:
-                matches.append((index, s))
+                matches.append((index + len(s), index, s))
         if matches:
-            index, s = min(matches, key=lambda m: m[0])
-            self._text = self._text[:index]
+            _, index, s = min(matches)
+            self._pending = self._pending[:index]
             self.stop_reason = s
 
     def _release(self, *, final: bool = False) -> str:
-        """Emit the decoded text, except a tail that may be the start of a stop string."""
-        end = len(self._text)
-        if not (final or self.finished):
-            end -= self._stop_prefix_length()
-        delta = self._text[self._emitted : end] if end > self._emitted else ""
-        self._emitted = max(self._emitted, end)
+        """Emit the pending text, except a tail that may be the start of a stop string."""
+        hold = 0 if final or self.finished else self._stop_prefix_length()
+        delta = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(delta) :]
+        if delta:
+            self._emitted.append(delta)
         return delta
 
     def _stop_prefix_length(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        """Length of the longest tail of the pending text that is a proper prefix of a stop string.
+
+        Looking at the pending text suffices: a longer such tail would have been held already.
+        """
         longest = 0
         for s in self._stop:
-            for n in range(min(len(s) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(s[:n]):
+            for n in range(min(len(s) - 1, len(self._pending)), longest, -1):
+                if self._pending.endswith(s[:n]):
                     longest = n
                     break
         return longest

@@ -74,7 +74,9 @@ class EngineCore:
         line = detect_model_line(model_config, model_lines() if lines is None else lines)
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, model_config, device)
-        logger.info("Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype)
+        logger.info(
+            "Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype
+        )
         self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device))
         self.model.eval()
 

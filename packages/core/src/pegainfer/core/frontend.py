@@ -74,7 +74,10 @@ class RequestStream:
             delta.abort_engine = not output.finished
         elif output.finished:
             delta.text += self._detokenizer.flush()
-            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_token_id
+            if self._detokenizer.stop_reason is not None:  # the flushed tail ended in a stop
+                self.finish_reason, self.stop_reason = "stop", self._detokenizer.stop_reason
+            else:
+                self.finish_reason, self.stop_reason = output.finish_reason, output.stop_token_id
         self.text += delta.text
         delta.finished = self.finished
         delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason

@@ -57,7 +57,9 @@ class LLM:
         """Generate for each prompt (text or token ids); results come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        encoded = [(p if isinstance(p, str) else None, self.frontend.encode_prompt(p)) for p in prompts]
+        encoded = [
+            (p if isinstance(p, str) else None, self.frontend.encode_prompt(p)) for p in prompts
+        ]
         return self._run(encoded, params)
 
     def chat(
@@ -126,4 +128,3 @@ def _result(stream: RequestStream) -> GenerationResult:
         stop_reason=stream.stop_reason,
         num_cached_tokens=stream.num_cached_tokens,
     )
-

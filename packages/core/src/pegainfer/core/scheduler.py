@@ -144,9 +144,7 @@ class Scheduler:
         return ScheduledChunk(request, num_new, samples)
 
     def _match_prefix(self, request: Request) -> list[int]:
-        self.blocks.extend_block_hashes(
-            request.token_ids, request.block_hashes, request.cache_salt
-        )
+        self.blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
         # Leave at least one token to compute: its logits give the next token.
         max_blocks = (request.num_tokens - 1) // self.block_size
         return self.blocks.match_prefix(request.block_hashes, max_blocks)
@@ -169,9 +167,7 @@ class Scheduler:
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= request.num_sealed_blocks:
             return
-        self.blocks.extend_block_hashes(
-            request.token_ids, request.block_hashes, request.cache_salt
-        )
+        self.blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
         for index in range(request.num_sealed_blocks, num_full):
             self.blocks.seal(request.block_ids[index], request.block_hashes[index])
         request.num_sealed_blocks = num_full

@@ -24,10 +24,12 @@ INDEX_FILE = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where a checkpoint tensor goes: `param[row_offset : row_offset + len(tensor)]`."""
+    """Where a checkpoint tensor goes: the whole of `param`, or `num_rows` rows of it
+    starting at `row_offset` (one shard of a fused matrix)."""
 
     param: str
     row_offset: int = 0
+    num_rows: int | None = None
 
 
 NameMap = Callable[[str], WeightTarget | None]
@@ -79,15 +81,16 @@ def load_weights(
                 raise WeightLoadError(
                     f"checkpoint tensor {name!r} maps to unknown parameter {target.param!r}"
                 )
-            rows = slice(target.row_offset, target.row_offset + tensor.shape[0])
-            region = param[rows] if param.dim() > 0 else param
+            region = param
+            if target.num_rows is not None:
+                region = param[target.row_offset : target.row_offset + target.num_rows]
             if tuple(region.shape) != tuple(tensor.shape):
                 raise WeightLoadError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but parameter "
-                    f"{target.param!r} expects {tuple(region.shape)} at rows {rows.start}.."
+                    f"{target.param!r} expects {tuple(region.shape)}"
                 )
             region.copy_(tensor)
-            written[target.param] += tensor.shape[0] if param.dim() > 0 else 1
+            written[target.param] += region.shape[0] if region.dim() > 0 else 1
     _check_complete(params, written, model_dir)
 
 
@@ -107,4 +110,6 @@ def _check_complete(
             f"checkpoint in {model_dir} lacks {len(missing)} tensor(s) the model needs: {shown}"
         )
     if duplicated:
-        raise WeightLoadError(f"checkpoint in {model_dir} writes these parameters twice: {duplicated}")
+        raise WeightLoadError(
+            f"checkpoint in {model_dir} writes these parameters twice: {duplicated}"
+        )

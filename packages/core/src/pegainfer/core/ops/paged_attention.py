@@ -10,9 +10,7 @@ import torch.nn.functional as F
 from pegainfer.core.forward_batch import ForwardBatch
 
 
-def write_kv(
-    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
-) -> None:
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
     """Store this step's K and V [tokens, kv_heads, head_dim] at `batch.slot_mapping`."""
     blocks = batch.slot_mapping // batch.block_size
     offsets = batch.slot_mapping % batch.block_size
@@ -28,7 +26,9 @@ def paged_attention(
     num_heads, num_kv_heads = q.shape[1], kv_layer.shape[3]
     bs = batch.block_size
     start = 0
-    for i, (q_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu, strict=True)):
+    for i, (q_len, seq_len) in enumerate(
+        zip(batch.query_lens_cpu, batch.seq_lens_cpu, strict=True)
+    ):
         blocks = batch.block_tables[i, : (seq_len + bs - 1) // bs].long()
         k = kv_layer[blocks, 0].flatten(0, 1)[:seq_len]
         v = kv_layer[blocks, 1].flatten(0, 1)[:seq_len]

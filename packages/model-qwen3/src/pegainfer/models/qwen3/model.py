@@ -82,7 +82,9 @@ class Qwen3ForCausalLM(Model):
 
     def init_rope(self, device: torch.device) -> None:
         cfg = self.cfg
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device
+        )
 
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
         cfg = self.cfg
@@ -102,15 +104,15 @@ class Qwen3ForCausalLM(Model):
         layer = f"layers.{parts[1]}"
         leaf = parts[-1]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        offsets = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", q_size),
-            "v_proj": ("qkv_proj", q_size + kv_size),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size),
+        inter = cfg.intermediate_size
+        shards = {
+            "q_proj": WeightTarget(f"{layer}.qkv_proj", 0, q_size),
+            "k_proj": WeightTarget(f"{layer}.qkv_proj", q_size, kv_size),
+            "v_proj": WeightTarget(f"{layer}.qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": WeightTarget(f"{layer}.gate_up_proj", 0, inter),
+            "up_proj": WeightTarget(f"{layer}.gate_up_proj", inter, inter),
         }
-        param, offset = offsets.get(leaf, (leaf, 0))
-        return WeightTarget(f"{layer}.{param}", offset)
+        return shards.get(leaf) or WeightTarget(f"{layer}.{leaf}")
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         assert self.rope is not None, "init_rope() must run before the first forward"

@@ -19,8 +19,14 @@ from pegainfer.models.qwen3.config import Qwen3Config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Real Qwen3 keeps these as added tokens that are not "special" (they survive decoding).
-ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
-                "</tool_response>"]
+ADDED_TOKENS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
 
 
 def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:

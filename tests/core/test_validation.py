@@ -1,0 +1,62 @@
+"""Bad arguments and bad requests raise errors that name the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.errors import ConfigError, InvalidRequestError
+from pegainfer.core.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature"),
+        ("temperature", float("nan"), "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -2, "top_k"),
+        ("min_p", 1.1, "min_p"),
+        ("max_tokens", 0, "max_tokens"),
+        ("min_tokens", -1, "min_tokens"),
+        ("seed", 2**64, "seed"),
+        ("stop", [""], "stop"),
+    ],
+)
+def test_out_of_range_sampling_values(field, value, message):
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        SamplingParams(**{field: value}).validate()
+    assert err.value.param == field
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4).validate()
+
+
+def test_stop_token_ids_outside_the_vocabulary():
+    with pytest.raises(InvalidRequestError, match=r"stop_token_ids \[99\]"):
+        SamplingParams(stop_token_ids=[3, 99]).validate(vocab_size=50)
+
+
+def test_valid_params_pass():
+    params = SamplingParams(temperature=0.5, top_k=-1, top_p=0.9, min_p=0.1, seed=-3)
+    assert params.validate(vocab_size=10) is params
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dtype", "int8", "dtype must be one of"),
+        ("device", "tpu", "device must be"),
+        ("max_model_len", 0, "max_model_len must be a positive integer"),
+        ("max_num_seqs", 0, "max_num_seqs"),
+        ("block_size", 12, "block_size must be a power of two"),
+        ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+        ("cpu_kv_cache_gib", 0, "cpu_kv_cache_gib"),
+    ],
+)
+def test_bad_engine_args(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineArgs(model="x", **{field: value}).validate()
