@@ -58,7 +58,11 @@ def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
 
 
 def random_weights(cfg: Qwen3Config, seed: int, std: float = 0.1) -> dict[str, torch.Tensor]:
-    """Hugging Face-named tensors; norm weights are perturbed away from 1 so misuse shows."""
+    """Hugging Face-named tensors; norm weights are perturbed away from 1 so misuse shows.
+
+    The scales give next-token logits a spread of a few nats: peaked enough that greedy
+    decoding has no near-ties, flat enough that sampling still varies.
+    """
     g = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
@@ -68,7 +72,7 @@ def random_weights(cfg: Qwen3Config, seed: int, std: float = 0.1) -> dict[str, t
         return normal(size, mean=1.0, scale=0.1)
 
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, h, scale=1.0)}
+    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, h, scale=0.3)}
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
         tensors |= {
@@ -86,7 +90,7 @@ def random_weights(cfg: Qwen3Config, seed: int, std: float = 0.1) -> dict[str, t
         }
     tensors["model.norm.weight"] = norm(h)
     if not cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = normal(cfg.vocab_size, h)
+        tensors["lm_head.weight"] = normal(cfg.vocab_size, h, scale=0.3)
     return tensors
 
 

@@ -1,0 +1,1 @@
+"""pegainfer's OpenAI-compatible HTTP server (starlette + hypercorn + msgspec)."""
