@@ -1,0 +1,108 @@
+"""The default scheduler with no model: budgets, chunking, admission, preemption, abort."""
+
+from __future__ import annotations
+
+from pegainfer.core.block_manager import BlockManager
+from pegainfer.core.messages import EngineRequest
+from pegainfer.core.request import Request, RequestStatus
+from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+
+BS = 4
+
+
+def make(num_blocks=64, max_seqs=8, budget=32, chunked=True, caching=True) -> Scheduler:
+    config = SchedulerConfig(max_seqs, budget, max_model_len=1024, enable_chunked_prefill=chunked)
+    return Scheduler(config, BlockManager(num_blocks, BS, caching))
+
+
+def request(rid: str, prompt_len: int, max_tokens: int = 100, first: int = 0) -> Request:
+    msg = EngineRequest(
+        request_id=rid,
+        prompt_token_ids=list(range(first, first + prompt_len)),
+        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        eos_token_ids=[],
+        arrival_time=0.0,
+    )
+    return Request(msg, max_tokens, None)
+
+
+def run_step(s: Scheduler, token: int = 7) -> SchedulerStep:
+    """Schedule, then pretend the model sampled `token` for every row that samples."""
+    step = s.schedule()
+    s.update(step, [token] * sum(c.samples for c in step.chunks))
+    return step
+
+
+def sizes(step: SchedulerStep) -> dict[str, int]:
+    return {c.request.request_id: c.num_tokens for c in step.chunks}
+
+
+def test_token_budget_chunks_long_prompts_alongside_decodes():
+    s = make(budget=16)
+    s.add(request("a", 5))
+    assert sizes(run_step(s)) == {"a": 5}
+    s.add(request("b", 40, first=100))
+    step = run_step(s)
+    assert sizes(step) == {"a": 1, "b": 15}
+    assert [c.samples for c in step.chunks] == [True, False]
+    assert sizes(run_step(s)) == {"a": 1, "b": 15}
+    step = run_step(s)
+    assert sizes(step) == {"a": 1, "b": 10} and step.chunks[1].samples
+
+
+def test_without_chunking_a_long_prompt_waits_for_a_step_of_its_own():
+    s = make(budget=16, chunked=False)
+    s.add(request("long", 20))
+    assert run_step(s).chunks == []
+    s = make(budget=16, chunked=False)
+    s.add(request("a", 3))
+    s.add(request("b", 14))
+    assert sizes(run_step(s)) == {"a": 3}
+
+
+def test_max_num_seqs_caps_the_running_set():
+    s = make(max_seqs=2)
+    for i in range(4):
+        s.add(request(str(i), 3, first=10 * i))
+    assert sizes(run_step(s)) == {"0": 3, "1": 3}
+    assert len(s.waiting) == 2
+
+
+def test_preemption_takes_the_newest_and_it_recomputes_with_its_outputs():
+    s = make(num_blocks=6, budget=64)
+    s.add(request("old", 8, first=0))
+    s.add(request("new", 8, first=100))
+    run_step(s)  # both prefilled: 2 blocks each, 2 blocks left
+    for _ in range(4):
+        run_step(s)  # each needs a third block after 4 decodes, then a 4th
+    step = run_step(s)
+    preempted = [r.request_id for r in step.preempted]
+    assert preempted == ["new"]
+    new = s.waiting[0]
+    assert new.status is RequestStatus.PREEMPTED and new.block_ids == []
+    assert new.num_output_tokens == 5  # its outputs are kept and recomputed as prompt
+    s.blocks.check_invariants()
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    s = make()
+    s.add(request("run", 9))
+    run_step(s)
+    s.add(request("wait", 3))
+    used = s.blocks.num_free_blocks
+    assert s.abort("run") is not None and s.abort("wait") is not None
+    assert s.abort("unknown") is None
+    assert s.blocks.num_free_blocks > used and s.blocks.usage == 0.0
+    assert not s.has_work
+
+
+def test_finished_requests_release_and_seal_their_blocks():
+    s = make()
+    s.add(request("a", 8, max_tokens=2))
+    run_step(s)
+    run_step(s)
+    assert not s.has_work and s.blocks.usage == 0.0
+    s.add(request("b", 9))
+    run_step(s)
+    assert s.running[0].num_cached_tokens == 8  # both full prompt blocks were reused
