@@ -7,12 +7,12 @@ list there is often longer than the tokenizer's single EOS (Qwen3 chat models st
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pegainfer.core.errors import ConfigError
+from pegainfer.core.model_files import read_json_object
 from pegainfer.core.sampling_params import SamplingParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -44,14 +44,7 @@ class GenerationDefaults:
         `eos_token_ids` is the file's EOS ids followed by the tokenizer's, when not among them.
         """
         file = Path(path) / GENERATION_CONFIG_FILE
-        config: dict[str, Any] = {}
-        if file.is_file():
-            try:
-                config = json.loads(file.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"cannot read {file}: {e}") from e
-            if not isinstance(config, dict):
-                raise ConfigError(f"{file} must hold a JSON object")
+        config = read_json_object(file, required=False)
 
         eos = config.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])

@@ -42,14 +42,20 @@ def _download(repo_id: str, revision: str | None) -> Path:
         raise ConfigError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {exc}") from exc
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
+def read_json_object(path: Path, *, required: bool = True) -> dict[str, Any]:
+    """The JSON object in `path`; `{}` for an absent optional file; `ConfigError` otherwise."""
+    if not path.is_file():
+        if required:
+            raise ConfigError(f"{path.parent} holds no {path.name}")
+        return {}
     try:
-        with open(model_dir / "config.json") as f:
-            config = json.load(f)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{model_dir} holds no config.json") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{model_dir / 'config.json'} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ConfigError(f"{model_dir / 'config.json'} must hold a JSON object")
-    return config
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    return read_json_object(model_dir / "config.json")

@@ -23,6 +23,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pegainfer.core.errors import ConfigError, InvalidRequestError
+from pegainfer.core.model_files import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -102,7 +103,7 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ConfigError(f"cannot load {tokenizer_file}: {e}") from e
 
-        config = _read_json(path / TOKENIZER_CONFIG_FILE)
+        config = read_json_object(path / TOKENIZER_CONFIG_FILE, required=False)
         special_tokens = {}
         for name in _NAMED_SPECIAL_TOKENS:
             token = _token_content(config.get(name))
@@ -196,18 +197,6 @@ class Tokenizer:
             f"{sorted(self._chat_templates)}",
             "messages",
         )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return data
 
 
 def _token_content(value: object) -> str | None:
