@@ -83,7 +83,8 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(reference):
         cached = engine.requests["second"].num_cached_tokens
         outputs[caching] = drain(engine)
         assert cached == (64 if caching else 0)
-        assert engine.block_manager.stats.hits == (16 if caching else 0)
+        assert engine.scheduler.counters.prefix_hits == (64 if caching else 0)
+        assert engine.scheduler.counters.prefix_queries == len(first) + len(second)
     assert outputs[True] == outputs[False]
 
 

@@ -14,7 +14,6 @@ import hashlib
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 BlockHash = bytes
 """16-byte digest naming a full block of tokens and, through the chain, every token before it."""
@@ -47,14 +46,6 @@ def hash_block_tokens(
     return h.digest()
 
 
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters. They only go up, so a reader can report differences over time."""
-
-    queries: int = 0  # blocks looked up by `match_prefix`
-    hits: int = 0  # of those, blocks found in the cache
-
-
 class BlockManager:
     """Hands out KV blocks and keeps the prefix cache. Not thread-safe: the scheduler owns it.
 
@@ -72,7 +63,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.stats = PrefixCacheStats()
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -119,8 +109,6 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.stats.queries += len(looked_up)
-        self.stats.hits += len(hits)
         return hits
 
     def acquire(self, block_ids: Sequence[int]) -> None:

@@ -44,6 +44,16 @@ class SchedulerStep:
         return sum(c.num_tokens for c in self.chunks)
 
 
+@dataclass
+class SchedulerCounters:
+    """Cumulative counts for metrics. Prefix-cache figures are in tokens, counted once per
+    request at its first admission (retries and recomputes after preemption do not count)."""
+
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -51,6 +61,7 @@ class Scheduler:
         self.block_size = block_manager.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.counters = SchedulerCounters()
 
     @property
     def has_work(self) -> bool:
@@ -111,6 +122,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
+                self.counters.prefix_queries += request.num_tokens
+                self.counters.prefix_hits += request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.chunks.append(self._chunk(request, num_new))
@@ -177,6 +190,7 @@ class Scheduler:
         self._reset(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self.counters.preemptions += 1
         self.waiting.appendleft(request)
 
     def _reset(self, request: Request) -> None:
