@@ -16,8 +16,9 @@ from pegainfer.core.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def _arg(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _arg(default: Any, help: str, flag: str | None = None) -> Any:
+    """A field with its CLI help; `flag` names a boolean that defaults to True (`--no-...`)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
 
 
 @dataclass(kw_only=True)
@@ -25,7 +26,10 @@ class EngineArgs:
     """Everything that shapes how the engine loads and serves one model."""
 
     model: str = field(
-        metadata={"help": "Checkpoint directory or Hugging Face repo id (config.json inside)."}
+        metadata={
+            "help": "Checkpoint directory or Hugging Face repo id (config.json inside).",
+            "flag": "--model-path",
+        }
     )
     tokenizer: str | None = _arg(None, "Tokenizer directory; defaults to the model's.")
     revision: str | None = _arg(None, "Hub revision (branch, tag or commit) of a repo id.")
@@ -52,9 +56,13 @@ class EngineArgs:
     cpu_kv_cache_gib: float = _arg(
         2.0, "On the CPU, the most memory (GiB) the KV cache may take when not sized by blocks."
     )
-    enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of earlier prompts' prefixes.")
+    enable_prefix_caching: bool = _arg(
+        True, "Do not reuse the KV blocks of earlier prompts' prefixes.", "--no-prefix-cache"
+    )
     enable_chunked_prefill: bool = _arg(
-        True, "Split prompts longer than the step's token budget over several steps."
+        True,
+        "Do not split prompts longer than the step's token budget over several steps.",
+        "--no-chunked-prefill",
     )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
 
@@ -84,6 +92,10 @@ class EngineArgs:
             raise ConfigError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
         return self
 
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+    def explicit_fields(self) -> set[str]:
+        """The arguments set to something other than their default."""
+        return {
+            f.name
+            for f in dataclasses.fields(self)
+            if f.default is not dataclasses.MISSING and getattr(self, f.name) != f.default
+        }

@@ -18,7 +18,7 @@ from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache, blocks_for_memory, bytes_per_block
-from pegainfer.core.messages import EngineRequest, RequestOutput
+from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine
 from pegainfer.core.plugins import detect_model_line, model_lines
@@ -72,6 +72,11 @@ class EngineCore:
         model_dir = resolve_model_dir(args.model, args.revision)
         model_config = read_config(model_dir)
         line = detect_model_line(model_config, model_lines() if lines is None else lines)
+        ignored = sorted(line.unsupported_args & args.explicit_fields())
+        if ignored:
+            raise ConfigError(
+                f"the {line.name!r} model line does not use these arguments: {', '.join(ignored)}"
+            )
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, model_config, device)
         logger.info(
@@ -230,8 +235,22 @@ class EngineCore:
             device=self.config.device,
         )
 
+    def stats(self) -> EngineStats:
+        counters = self.scheduler.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            prefix_cache_queries=counters.prefix_queries,
+            prefix_cache_hits=counters.prefix_hits,
+            num_preemptions=counters.preemptions,
+        )
+
     @staticmethod
     def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
+        queue_time = None
+        if request.finished and request.first_scheduled_time is not None:
+            queue_time = max(request.first_scheduled_time - request.arrival_time, 0.0)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -239,4 +258,5 @@ class EngineCore:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             finish_reason=request.finish_reason,
             stop_token_id=request.stop_token_id,
+            queue_time=queue_time,
         )

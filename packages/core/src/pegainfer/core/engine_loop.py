@@ -78,7 +78,7 @@ class EngineLoop:
                     outputs.extend(self._handle(message))
                 outputs.extend(self.engine.step())
                 if outputs:
-                    self._sink(_encoder.encode(EngineOutputs(outputs)))
+                    self._sink(_encoder.encode(EngineOutputs(outputs, self.engine.stats())))
         except Exception as exc:
             logger.exception("engine loop failed; failing every request in flight")
             self.error = exc

@@ -48,13 +48,27 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    # On the final output: seconds from arrival to first scheduling.
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+class EngineStats(msgspec.Struct):
+    """The engine's state after a step, for metrics. Counters are cumulative."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
 class EngineOutputs(msgspec.Struct):
     """Everything one engine step (or one batch of inbound messages) produced."""
 
     outputs: list[RequestOutput]
+    stats: EngineStats | None = None

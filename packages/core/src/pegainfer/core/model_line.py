@@ -74,6 +74,8 @@ class ModelLine(ABC):
 
     #: Short name, also the extra that installs the line (`pip install pegainfer[<name>]`).
     name: str
+    #: Engine arguments this line ignores; setting one is an error rather than a silent no-op.
+    unsupported_args: frozenset[str] = frozenset()
 
     @abstractmethod
     def probe(self, config: dict[str, Any]) -> Probe:

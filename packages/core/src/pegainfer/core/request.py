@@ -40,6 +40,7 @@ class Request:
         self.num_sealed_blocks = 0
         self.num_cached_tokens = -1  # set at first admission
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
 

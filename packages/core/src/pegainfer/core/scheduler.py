@@ -9,6 +9,7 @@ preempted: its blocks go back and it later recomputes (mostly from the prefix ca
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
+                request.first_scheduled_time = time.time()
                 self.counters.prefix_queries += request.num_tokens
                 self.counters.prefix_hits += request.num_computed_tokens
             request.status = RequestStatus.RUNNING

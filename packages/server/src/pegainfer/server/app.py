@@ -1,0 +1,251 @@
+"""The starlette application: routes, authentication, body limits and error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from pegainfer.core.errors import InvalidRequestError
+from pegainfer.server.chat import Chat, template_messages
+from pegainfer.server.completions import Completions
+from pegainfer.server.engine_client import AsyncEngineClient
+from pegainfer.server.errors import APIError, bad_request
+from pegainfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Fields clients send that change nothing: accepted without a warning.
+_INFORMATIONAL = {"user", "metadata", "store", "service_tier"}
+
+
+@dataclass
+class ServerState:
+    """What the routes share. `client` stays None until the engine can serve."""
+
+    model_names: list[str]
+    api_key: str | None = None
+    max_body_bytes: int = 32 << 20
+    client: AsyncEngineClient | None = None
+    startup_error: str | None = None
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    logged_unknown_fields: set[str] = field(default_factory=set)
+
+    def ready_client(self) -> AsyncEngineClient:
+        if self.client is None:
+            raise APIError(503, "the model is still loading", code="not_ready")
+        if not self.client.alive:
+            raise APIError(503, "the engine has stopped", code="engine_dead")
+        return self.client
+
+
+def _json(payload: msgspec.Struct | dict[str, Any], status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status, media_type="application/json")
+
+
+def build_app(state: ServerState) -> Starlette:
+    async def read_body(request: Request, kind: type[T]) -> T:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            raise _too_large(state.max_body_bytes)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > state.max_body_bytes:
+                raise _too_large(state.max_body_bytes)
+        try:
+            raw = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise bad_request("the body must be a JSON object")
+        try:
+            parsed = msgspec.convert(raw, kind)
+        except msgspec.ValidationError as exc:
+            raise bad_request(str(exc), _path_param(str(exc))) from exc
+        unknown = set(raw) - set(kind.__struct_fields__) - _INFORMATIONAL  # type: ignore[attr-defined]
+        for name in sorted(unknown - state.logged_unknown_fields):
+            logger.warning("ignoring unknown request field %r (logged once)", name)
+            state.logged_unknown_fields.add(name)
+        model = getattr(parsed, "model", None)
+        if model is not None and model not in state.model_names:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {state.model_names}",
+                param="model",
+                code="model_not_found",
+            )
+        return parsed
+
+    async def completions(request: Request) -> Response:
+        client = state.ready_client()
+        body = await read_body(request, CompletionRequest)
+        handler = Completions(client, body.model or state.model_names[0])
+        if body.stream:
+            return _sse(handler.stream(body))
+        return _json(await _until_disconnect(request, handler.create(body)))
+
+    async def chat_completions(request: Request) -> Response:
+        client = state.ready_client()
+        body = await read_body(request, ChatCompletionRequest)
+        handler = Chat(client, body.model or state.model_names[0])
+        if body.stream:
+            return _sse(handler.stream(body))
+        return _json(await _until_disconnect(request, handler.create(body)))
+
+    async def models(request: Request) -> Response:
+        client = state.ready_client()
+        root = str(client.engine.config.model_dir)
+        max_len = client.engine.config.max_model_len
+        cards = [ModelCard(name, state.started_at, max_len, root) for name in state.model_names]
+        return _json(ModelList(cards))
+
+    async def tokenize(request: Request) -> Response:
+        client = state.ready_client()
+        body = await read_body(request, TokenizeRequest)
+        frontend = client.frontend
+        try:
+            if body.messages is not None:
+                tokens = frontend.render_chat(
+                    template_messages(body.messages),
+                    add_generation_prompt=body.add_generation_prompt,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
+            elif body.prompt is not None:
+                tokens = frontend.tokenizer.encode(body.prompt, body.add_special_tokens)
+            else:
+                raise bad_request("give either prompt or messages", "prompt")
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        max_len = client.engine.config.max_model_len
+        return _json(TokenizeResponse(tokens, len(tokens), max_len))
+
+    async def detokenize(request: Request) -> Response:
+        client = state.ready_client()
+        body = await read_body(request, DetokenizeRequest)
+        vocab = client.engine.config.vocab_size
+        if any(not (0 <= t < vocab) for t in body.tokens):
+            raise bad_request(f"tokens must be in [0, {vocab})", "tokens")
+        return _json(DetokenizeResponse(client.frontend.tokenizer.decode(body.tokens, False)))
+
+    async def health(request: Request) -> Response:
+        if state.client is not None and state.client.alive:
+            return Response(status_code=200)
+        reason = state.startup_error or ("loading" if state.client is None else "engine stopped")
+        return Response(reason, status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        if state.client is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(state.client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def version_route(request: Request) -> Response:
+        return _json({"version": _version()})
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version_route, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={APIError: _api_error, Exception: _crash})
+    app.add_middleware(_AuthMiddleware, api_key=state.api_key)
+    return app
+
+
+def _sse(stream: Any) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+
+async def _until_disconnect(request: Request, work: Any) -> Any:
+    """Await `work`, cancelling it (and so aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise APIError(499, "the client disconnected", code="client_disconnected")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _path_param(message: str) -> str | None:
+    """`... - at `$.max_tokens`` → "max_tokens" (msgspec's validation errors name the path)."""
+    marker = "at `$."
+    if marker not in message:
+        return None
+    return message.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+
+
+def _version() -> str:
+    try:
+        return version("pegainfer-server")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _crash(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error serving %s", request.url.path, exc_info=exc)
+    return APIError(500, "internal server error", code="internal_error").response()
+
+
+class _AuthMiddleware:
+    """Bearer-token check on `/v1/*` (plain ASGI middleware, so streaming is untouched)."""
+
+    def __init__(self, app: Any, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (
+            self.expected is not None
+            and scope["type"] == "http"
+            and scope["path"].startswith("/v1/")
+        ):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,93 @@
+"""`POST /v1/completions`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pegainfer.core.frontend import RequestStream, StreamDelta
+from pegainfer.core.messages import EngineRequest
+from pegainfer.server.engine_client import AsyncEngineClient
+from pegainfer.server.errors import bad_request
+from pegainfer.server.openai_serving import (
+    collect,
+    engine_request,
+    now,
+    request_id,
+    sampling_params,
+    sse_stream,
+    usage,
+)
+from pegainfer.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+
+
+def _prompts(
+    client: AsyncEngineClient, prompt: str | list[Any]
+) -> list[tuple[str | None, list[int]]]:
+    """Normalise the four prompt forms to (text, token ids) pairs."""
+    if isinstance(prompt, str) or (prompt and all(_is_token(t) for t in prompt)):
+        prompts: list[Any] = [prompt]
+    else:
+        prompts = prompt
+    if not prompts:
+        raise bad_request("prompt must not be empty", "prompt")
+    for item in prompts:
+        if not isinstance(item, str) and not (
+            isinstance(item, list) and all(_is_token(t) for t in item)
+        ):
+            raise bad_request(
+                "prompt must be a string, a list of strings, a list of token ids "
+                "or a list of token-id lists",
+                "prompt",
+            )
+    return [(p if isinstance(p, str) else None, client.frontend.encode_prompt(p)) for p in prompts]
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Completions:
+    def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
+        self.client = client
+        self.model_name = model_name
+
+    def prepare(
+        self, body: CompletionRequest
+    ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
+        params = sampling_params(self.client, body, body.max_tokens)
+        rid = request_id("cmpl")
+        requests = [
+            (engine_request(self.client, f"{rid}-{i}", ids, params, body.cache_salt), text)
+            for i, (text, ids) in enumerate(_prompts(self.client, body.prompt))
+        ]
+        return rid, requests
+
+    async def create(self, body: CompletionRequest) -> CompletionResponse:
+        rid, requests = self.prepare(body)
+        streams = await collect(self.client, requests)
+        choices = [_choice(i, s.text, s) for i, s in enumerate(streams)]
+        return CompletionResponse(rid, now(), self.model_name, choices, usage(streams))
+
+    def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
+        rid, requests = self.prepare(body)
+        self.client.ensure_capacity(len(requests))
+        created = now()
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunks(index: int, delta: StreamDelta, first: bool) -> list[CompletionResponse]:
+            choice = CompletionChoice(
+                index, delta.text, None, delta.finish_reason, delta.stop_reason
+            )
+            return [CompletionResponse(rid, created, self.model_name, [choice])]
+
+        def final(streams: list[RequestStream]) -> CompletionResponse | None:
+            if not include_usage:
+                return None
+            return CompletionResponse(rid, created, self.model_name, [], usage(streams))
+
+        return sse_stream(self.client, requests, chunks, final)
+
+
+def _choice(index: int, text: str, stream: RequestStream) -> CompletionChoice:
+    return CompletionChoice(index, text, None, stream.finish_reason, stream.stop_reason)

@@ -1,0 +1,118 @@
+"""The asyncio side of the engine boundary: submit requests, stream their outputs back.
+
+The engine loop runs in its own thread and hands encoded outputs to `_on_outputs`, which
+moves them onto the event loop; there each request's outputs are detokenized (never on the
+engine loop) and measured for metrics. A request whose consumer goes away is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from pegainfer.core.engine import EngineCore
+from pegainfer.core.engine_loop import EngineLoop, decode_outputs
+from pegainfer.core.frontend import Frontend, RequestStream, StreamDelta
+from pegainfer.core.messages import AbortRequest, EngineRequest, RequestOutput
+from pegainfer.core.metrics import Metrics
+
+
+class EngineFailedError(RuntimeError):
+    """The engine loop failed while this request was in flight."""
+
+
+class ServerBusyError(RuntimeError):
+    """Too many requests are waiting for their first token."""
+
+
+class AsyncEngineClient:
+    def __init__(
+        self, engine: EngineCore, frontend: Frontend, metrics: Metrics, max_waiting: int
+    ) -> None:
+        self.engine = engine
+        self.frontend = frontend
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._event_loop = asyncio.get_running_loop()
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._waiting: set[str] = set()
+        self._loop = EngineLoop(engine, self._on_outputs)
+        self._loop.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._loop.alive
+
+    def shutdown(self) -> None:
+        self._loop.shutdown()
+
+    def _on_outputs(self, data: bytes) -> None:
+        """Called on the engine thread: hand the bytes to the event loop."""
+        self._event_loop.call_soon_threadsafe(self._dispatch, data)
+
+    def _dispatch(self, data: bytes) -> None:
+        batch = decode_outputs(data)
+        if batch.stats is not None:
+            self.metrics.record_engine_stats(batch.stats)
+        for output in batch.outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def ensure_capacity(self, num_requests: int) -> None:
+        """Raise unless `num_requests` more can wait for their first token."""
+        if not self.alive:
+            raise EngineFailedError("the engine loop is not running")
+        if len(self._waiting) + num_requests > self.max_waiting:
+            raise ServerBusyError(f"{len(self._waiting)} requests are already waiting")
+
+    async def generate(
+        self, request: EngineRequest, prompt: str | None = None
+    ) -> AsyncIterator[tuple[RequestStream, StreamDelta]]:
+        """Submit `request` and yield its stream state with each new delta until it finishes.
+
+        Closing the iterator early (the client disconnected) aborts the request.
+        """
+        self.ensure_capacity(1)
+        request_id = request.request_id
+        stream = RequestStream(
+            request_id, request.prompt_token_ids, request.params, self.frontend.tokenizer, prompt
+        )
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._waiting.add(request_id)
+        # Latencies count from the request's arrival at the frontend, as vLLM's do.
+        arrival = last = request.arrival_time
+        self._loop.send(request)
+        try:
+            while not stream.finished:
+                output = await queue.get()
+                if output.finish_reason == "error":
+                    raise EngineFailedError(output.error or "the engine failed")
+                now = time.time()
+                if output.new_token_ids:
+                    first = request_id in self._waiting
+                    self._waiting.discard(request_id)
+                    self.metrics.record_tokens(
+                        len(output.new_token_ids), first=first, latency=now - last
+                    )
+                    last = now
+                delta = stream.process(output)
+                if delta.abort_engine:
+                    self._loop.send(AbortRequest([request_id]))
+                if stream.finished:
+                    self.metrics.record_finished(
+                        stream.finish_reason or "abort",
+                        len(request.prompt_token_ids),
+                        now - arrival,
+                        output.queue_time,
+                    )
+                yield stream, delta
+        finally:
+            self._queues.pop(request_id, None)
+            self._waiting.discard(request_id)
+            if not stream.finished:
+                self._loop.send(AbortRequest([request_id]))
+                elapsed = time.time() - arrival
+                self.metrics.record_finished("abort", len(request.prompt_token_ids), elapsed, None)

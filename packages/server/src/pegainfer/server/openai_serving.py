@@ -1,0 +1,175 @@
+"""What completions and chat have in common: sampling params, prompts, usage, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.frontend import RequestStream, StreamDelta
+from pegainfer.core.messages import EngineRequest
+from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.server.engine_client import AsyncEngineClient, EngineFailedError, ServerBusyError
+from pegainfer.server.errors import APIError, bad_request
+from pegainfer.server.protocol import PromptTokensDetails, Usage, unsupported_fields
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sampling_params(
+    client: AsyncEngineClient, request: Any, max_tokens: int | None
+) -> SamplingParams:
+    """The request's sampling fields over the model's generation defaults, validated."""
+    refused = unsupported_fields(request)
+    if refused:
+        raise bad_request(
+            f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not supported yet",
+            refused[0],
+        )
+    explicit: dict[str, Any] = {
+        name: getattr(request, name)
+        for name in _SAMPLING_FIELDS
+        if getattr(request, name) is not None
+    }
+    if request.top_k == -1:
+        explicit["top_k"] = 0
+    stop = request.stop
+    explicit |= {
+        "stop": [stop] if isinstance(stop, str) else list(stop or []),
+        "max_tokens": max_tokens,
+        "min_tokens": request.min_tokens,
+        "ignore_eos": request.ignore_eos,
+        "skip_special_tokens": request.skip_special_tokens,
+    }
+    params = client.frontend.default_sampling_params(**explicit)
+    try:
+        return params.validate(client.engine.config.vocab_size)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+
+
+def engine_request(
+    client: AsyncEngineClient,
+    rid: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    cache_salt: str | None,
+) -> EngineRequest:
+    request = client.frontend.make_request(rid, prompt_token_ids, params)
+    request.cache_salt = cache_salt
+    try:
+        client.engine.check_request(request)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    return request
+
+
+def usage(streams: Sequence[RequestStream]) -> Usage:
+    prompt = sum(len(s.prompt_token_ids) for s in streams)
+    completion = sum(len(s.token_ids) for s in streams)
+    cached = sum(s.num_cached_tokens for s in streams)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+
+
+async def merged(
+    client: AsyncEngineClient, requests: Sequence[tuple[EngineRequest, str | None]]
+) -> AsyncIterator[tuple[int, RequestStream, StreamDelta]]:
+    """Stream several requests at once, tagging each delta with its request's index."""
+    queue: asyncio.Queue[tuple[int, RequestStream, StreamDelta] | BaseException | None] = (
+        asyncio.Queue()
+    )
+
+    async def pump(index: int, request: EngineRequest, prompt: str | None) -> None:
+        try:
+            async for stream, delta in client.generate(request, prompt):
+                queue.put_nowait((index, stream, delta))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, r, p)) for i, (r, p) in enumerate(requests)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def translate_engine_errors(exc: BaseException) -> APIError:
+    if isinstance(exc, ServerBusyError):
+        return APIError(
+            503, f"server busy: {exc}", code="server_busy", headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, EngineFailedError):
+        return APIError(500, str(exc), code="engine_error")
+    raise exc
+
+
+async def collect(
+    client: AsyncEngineClient, requests: Sequence[tuple[EngineRequest, str | None]]
+) -> list[RequestStream]:
+    """Run requests to completion; raise the `APIError` an engine failure maps to."""
+    streams: dict[int, RequestStream] = {}
+    try:
+        async for index, stream, _ in merged(client, requests):
+            streams[index] = stream
+    except (ServerBusyError, EngineFailedError) as exc:
+        raise translate_engine_errors(exc) from exc
+    return [streams[i] for i in range(len(requests))]
+
+
+def sse(payload: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_stream(
+    client: AsyncEngineClient,
+    requests: Sequence[tuple[EngineRequest, str | None]],
+    chunks: Callable[[int, StreamDelta, bool], list[msgspec.Struct]],
+    final: Callable[[list[RequestStream]], msgspec.Struct | None],
+) -> AsyncIterator[bytes]:
+    """SSE bytes: `chunks(index, delta, first)` per delta, then `final(streams)`, then [DONE].
+
+    An engine failure mid-stream becomes an error event (the status line is already sent).
+    """
+    streams: dict[int, RequestStream] = {}
+    try:
+        async for index, stream, delta in merged(client, requests):
+            first = index not in streams
+            streams[index] = stream
+            for chunk in chunks(index, delta, first):
+                yield sse(chunk)
+    except (ServerBusyError, EngineFailedError) as exc:
+        yield b"data: " + translate_engine_errors(exc).body() + b"\n\n"
+        yield SSE_DONE
+        return
+    last = final([streams[i] for i in sorted(streams)])
+    if last is not None:
+        yield sse(last)
+    yield SSE_DONE

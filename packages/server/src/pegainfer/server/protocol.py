@@ -1,0 +1,263 @@
+"""OpenAI request and response bodies as msgspec structs.
+
+Requests keep every field a client may send, so that a field we cannot honour yet is refused
+by name instead of being dropped: `unsupported_fields` lists the ones set to something other
+than their no-op value. Unknown fields are accepted (and logged once by the app).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+# ---------------------------------------------------------------------------- requests
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The sampling and stopping fields completions and chat share."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    # Informational only.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    # Known fields that change the output and are not implemented yet.
+    n: int = 1
+    best_of: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    # Separates this request's prefix-cache entries from other tenants'.
+    cache_salt: str | None = None
+
+
+# Fields that change the output and are not implemented yet, with the values that mean "off".
+_NOT_YET: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (False,),
+    "suffix": (None, ""),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "logit_bias": (None, {}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (None,),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "continue_final_message": (False,),
+    "chat_template": (None,),
+}
+
+
+def unsupported_fields(request: msgspec.Struct) -> list[str]:
+    """Fields of `request` set to a value we cannot honour yet."""
+    found = [
+        name
+        for name, off in _NOT_YET.items()
+        if hasattr(request, name) and getattr(request, name) not in off
+    ]
+    response_format = getattr(request, "response_format", None)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        found.append("response_format")
+    return found
+
+
+class CompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
+    # A string, a list of strings, token ids, or a list of token-id lists (checked on use:
+    # msgspec cannot express a union of list types).
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url"):
+    image_url: Any
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    root: str
+    object: Literal["model"] = "model"
+    owned_by: str = "pegainfer"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
