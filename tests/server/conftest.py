@@ -45,8 +45,8 @@ def start_server(model: Path, log: Path, *args: str, env: dict | None = None) ->
         sys.executable, "-m", "pegainfer.server.cli",
         "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port), *args,
     ]  # fmt: skip
-    handle = open(log, "w")
-    process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    with open(log, "w") as handle:  # the child keeps its own descriptor
+        process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", str(model), process, log)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

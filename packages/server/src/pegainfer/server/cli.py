@@ -151,3 +151,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
     if state.client is not None:
         state.client.shutdown()
     return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
