@@ -11,7 +11,7 @@ import pytest
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import EngineCore
-from pegainfer.core.errors import ModelLineError
+from pegainfer.core.errors import ConfigError, ModelLineError
 from pegainfer.core.model_line import ModelLine, Probe
 from pegainfer.core.plugins import (
     create_plugin_manager,
@@ -49,10 +49,15 @@ def test_a_third_party_line_serves_through_the_engine(installed_counting_plugin,
     model_dir = tmp_path / "ckpt"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "counting", "vocab_size": 50}))
-    engine = EngineCore(EngineArgs(model=str(model_dir), device="cpu", block_size=4))
+    engine = EngineCore(EngineArgs(model=str(model_dir), device="cpu"))
     assert engine.config.line == "counting"
     submit(engine, "r", [3, 4, 5], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert drain(engine) == {"r": [6, 7, 8, 9, 10, 11]}
+    # An argument the line declares it does not use is refused, not silently ignored.
+    with pytest.raises(
+        ConfigError, match="'counting' model line does not use these arguments: block_size"
+    ):
+        EngineCore(EngineArgs(model=str(model_dir), device="cpu", block_size=4))
 
 
 def test_plugin_allow_list(installed_counting_plugin, monkeypatch):

@@ -38,12 +38,19 @@ class Server:
         return self.log.read_text()
 
 
-def start_server(model: Path, log: Path, *args: str, env: dict | None = None) -> Server:
-    """Start the server process; return once /health says 200 (or fail with its log)."""
-    port = free_port()
+def start_server(
+    model: Path, log: Path, *args: str, env: dict | None = None, port: int | None = None
+) -> Server:
+    """Start the server process; return once /health says 200 (or fail with its log).
+
+    With `port` given, `args` must carry `--port` themselves (as the README's command does).
+    """
+    if port is None:
+        port = free_port()
+        args = ("--port", str(port), *args)
     cmd = [
         sys.executable, "-m", "pegainfer.server.cli",
-        "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port), *args,
+        "--model-path", str(model), "--host", "127.0.0.1", *args,
     ]  # fmt: skip
     with open(log, "w") as handle:  # the child keeps its own descriptor
         process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)

@@ -41,6 +41,7 @@ class CountingModel(Model):
 
 class CountingLine(ModelLine):
     name = "counting"
+    unsupported_args = frozenset({"block_size"})
 
     def probe(self, config: dict[str, Any]) -> Probe:
         if config.get("model_type") == "counting":

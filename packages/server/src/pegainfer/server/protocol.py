@@ -175,7 +175,7 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(msgspec.Struct, omit_defaults=True):
+class CompletionResponse(msgspec.Struct):
     id: str
     created: int
     model: str
@@ -197,7 +197,7 @@ class ChatChoice(msgspec.Struct):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(msgspec.Struct, omit_defaults=True):
+class ChatCompletionResponse(msgspec.Struct):
     id: str
     created: int
     model: str
@@ -219,7 +219,7 @@ class ChatChunkChoice(msgspec.Struct):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+class ChatCompletionChunk(msgspec.Struct):
     id: str
     created: int
     model: str
