@@ -1,0 +1,1 @@
+"""Triton kernels shared by model lines (CUDA only; each mirrors a reference in `core.ops`)."""
