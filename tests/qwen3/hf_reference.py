@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from pegainfer.core.model_files import read_config
-from pegainfer.core.model_line import ModelContext
+from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.models.qwen3.line import Qwen3Line
 from pegainfer.models.qwen3.model import Qwen3ForCausalLM
 
@@ -42,10 +42,11 @@ def write_hf_checkpoint(path: Path, *, tie: bool, seed: int = 0, layers: int = 2
     return path
 
 
-def load_ours(path: Path) -> Qwen3ForCausalLM:
+def load_ours(path: Path, block_size: int = 4) -> Qwen3ForCausalLM:
     ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"))
     model = Qwen3Line().build_model(ctx)
     assert isinstance(model, Qwen3ForCausalLM)
+    model.init_runtime(RuntimeConfig(block_size=block_size, max_model_len=512))
     return model
 
 

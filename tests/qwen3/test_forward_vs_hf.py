@@ -42,6 +42,7 @@ class PagedRunner:
             device=torch.device("cpu"),
         )
         batch.logits_indices = torch.arange(batch.num_tokens)
+        self.model.prepare(batch)
         with torch.inference_mode():
             logits = self.model(batch, self.kv)
         out, row = {}, 0

@@ -13,7 +13,7 @@ import torch
 
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
-from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe, RuntimeConfig
 from pegainfer.core.plugins import hookimpl
 
 
@@ -33,6 +33,12 @@ class CountingModel(Model):
 
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
         return [ArenaSpec("state", 1, (block_size,), torch.float32)]
+
+    def init_runtime(self, runtime: RuntimeConfig) -> None:
+        pass
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        pass
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         last = batch.input_ids[batch.logits_indices]

@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _arg(default: Any, help: str, flag: str | None = None) -> Any:
-    """A field with its CLI help; `flag` names a boolean that defaults to True (`--no-...`)."""
+    """A field with its CLI help; `flag` overrides the CLI flag's name (e.g. `--no-...`)."""
     return field(default=default, metadata={"help": help, "flag": flag})
 
 
@@ -63,6 +63,9 @@ class EngineArgs:
         True,
         "Do not split prompts longer than the step's token budget over several steps.",
         "--no-chunked-prefill",
+    )
+    enforce_eager: bool = _arg(
+        False, "Run decode steps eagerly instead of replaying CUDA graphs.", "--enforce-eager"
     )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
 

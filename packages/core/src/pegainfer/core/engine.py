@@ -15,12 +15,14 @@ import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.block_manager import BlockManager
+from pegainfer.core.cuda_graphs import DecodeGraphs, graph_buckets
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache, blocks_for_memory, bytes_per_block
+from pegainfer.core.kv_cache import ArenaSpec, KVCache, blocks_for_memory
+from pegainfer.core.memory import plan_gpu_kv, profile_step_peak
 from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
-from pegainfer.core.model_line import ModelContext, ModelLine
+from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
 from pegainfer.core.sampler import SamplingBatch, sample
@@ -96,6 +98,10 @@ class EngineCore:
                 f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens})"
                 f" must be at least max_model_len ({max_model_len})"
             )
+        cuda = device.type == "cuda"
+        use_graphs = cuda and not args.enforce_eager and self.model.supports_cuda_graphs
+        buckets = graph_buckets(args.max_num_seqs) if use_graphs else ()
+        self.model.init_runtime(RuntimeConfig(args.block_size, max_model_len, buckets))
         specs = self.model.kv_arenas(args.block_size)
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
             args, specs, device, max_model_len
@@ -106,13 +112,21 @@ class EngineCore:
                 f"one sequence of max_model_len {max_model_len} needs; lower max_model_len or "
                 "give the cache more memory"
             )
-        self.kv_cache = KVCache(specs, num_blocks, device)
+        # On CUDA one more block than the block manager hands out: padding rows of graph
+        # replays read and write it.
+        self.kv_cache = KVCache(specs, num_blocks + int(cuda), device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks,
             args.block_size,
             self.kv_cache.nbytes / _GIB,
         )
+        self.graphs: DecodeGraphs | None = None
+        if buckets:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, buckets, num_blocks, args.block_size, device
+            )
+            self.graphs.capture()
         self.config = EngineConfig(
             model_dir=model_dir,
             model_config=model_config,
@@ -135,22 +149,22 @@ class EngineCore:
         self.generator = torch.Generator(device).manual_seed(args.seed)
         self.requests: dict[str, Request] = {}
 
-    @staticmethod
     def _default_num_blocks(
-        args: EngineArgs, specs: list[ArenaSpec], device: torch.device, max_model_len: int
+        self, args: EngineArgs, specs: list[ArenaSpec], device: torch.device, max_model_len: int
     ) -> int:
         if device.type == "cpu":
             # Never more than every sequence slot at full length could use.
             useful = args.max_num_seqs * -(-max_model_len // args.block_size)
             return min(useful, blocks_for_memory(specs, int(args.cpu_kv_cache_gib * _GIB)))
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * args.gpu_memory_utilization) - (total - free)
-        if budget < bytes_per_block(specs):
-            raise ConfigError(
-                f"no GPU memory is left for the KV cache at gpu_memory_utilization "
-                f"{args.gpu_memory_utilization} ({free / _GIB:.1f} GiB free of {total / _GIB:.1f})"
-            )
-        return blocks_for_memory(specs, budget)
+        peak = profile_step_peak(
+            self.model,
+            specs,
+            args.block_size,
+            min(args.max_num_batched_tokens, max_model_len),
+            args.max_num_seqs,
+            device,
+        )
+        return plan_gpu_kv(specs, args.gpu_memory_utilization, peak, device).num_blocks
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -207,7 +221,12 @@ class EngineCore:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
-        logits = self.model(self._forward_batch(step), self.kv_cache)
+        batch = self._forward_batch(step)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        else:
+            self.model.prepare(batch)
+            logits = self.model(batch, self.kv_cache)
         samplers = [c.request for c in step.chunks if c.samples]
         sampling = SamplingBatch.from_requests(
             samplers, self.config.vocab_size, self.generator, self.config.device

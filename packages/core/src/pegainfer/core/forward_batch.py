@@ -1,9 +1,9 @@
 """The flat metadata of one engine step, as every model line's forward pass consumes it.
 
 Tokens of all scheduled sequences are concatenated: sequence `i` owns rows
-`query_start_loc[i]:query_start_loc[i+1]`, its new tokens sit at positions
+`query_start_loc_cpu[i]:query_start_loc_cpu[i+1]`, its new tokens sit at positions
 `seq_lens[i] - query_lens[i] .. seq_lens[i] - 1`, and its KV lives in the blocks of
-`block_tables[i]`. Prefill chunks and decodes mix freely (a decode is a query of length 1).
+`block_tables_cpu[i]`. Prefill chunks and decodes mix freely (a decode is a query of length 1).
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset, where KV is written
-    query_start_loc: torch.Tensor  # [B + 1] int32
-    seq_lens: torch.Tensor  # [B] int32: KV length after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     logits_indices: torch.Tensor  # [S] int64: rows whose next-token logits are wanted
     block_size: int
-    # Host copies for code that loops over sequences (the torch reference path).
+    # Host-side metadata: attention planning and the torch reference loop over sequences.
     query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int]  # KV length of each sequence after this step
+    block_tables_cpu: list[list[int]]
+    query_start_loc_cpu: torch.Tensor  # [B + 1] int32
 
     @property
     def num_tokens(self) -> int:
@@ -34,6 +33,11 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds exactly one token (what CUDA graphs capture)."""
+        return self.num_tokens == self.num_seqs
 
     @classmethod
     def build(
@@ -67,21 +71,20 @@ class ForwardBatch:
             seq_lens.append(start + len(chunk))
             if sample:
                 logits_indices.append(query_start[-1] - 1)
-        width = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        # One host tensor, one (pinned, asynchronous) copy to the device.
+        host = torch.tensor([input_ids, positions, slots], dtype=torch.int64)
+        flat = torch.tensor(logits_indices, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory().to(device, non_blocking=True)
+            flat = flat.pin_memory().to(device, non_blocking=True)
         return cls(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
-            query_start_loc=tensor(query_start, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(padded, torch.int32).reshape(len(padded), width),
-            logits_indices=tensor(logits_indices, torch.int64),
+            input_ids=host[0],
+            positions=host[1],
+            slot_mapping=host[2],
+            logits_indices=flat,
             block_size=block_size,
             query_lens_cpu=[len(c) for c in token_chunks],
             seq_lens_cpu=seq_lens,
+            block_tables_cpu=block_tables,
+            query_start_loc_cpu=torch.tensor(query_start, dtype=torch.int32),
         )

@@ -46,12 +46,31 @@ class ModelContext:
     device: torch.device
 
 
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What the engine decided that shapes a model's per-step machinery."""
+
+    block_size: int
+    max_model_len: int
+    #: Batch sizes decode CUDA graphs are captured for (empty: run eagerly).
+    graph_buckets: tuple[int, ...] = ()
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
 class Model(torch.nn.Module, ABC):
     """A model line's forward pass over paged KV.
 
-    `forward` takes the flat batch of one engine step and returns the logits of the rows
-    listed in `batch.logits_indices`, in float32.
+    The engine calls `init_runtime` once after loading, then for every step `prepare` (or
+    `prepare_graph` before a CUDA-graph replay), outside any graph, then `forward`, which
+    takes the flat batch of the step and returns the logits of the rows listed in
+    `batch.logits_indices`, in float32. `forward` must be capturable for pure-decode
+    batches when the model supports graphs (nothing in it may read device values on the host).
     """
+
+    supports_cuda_graphs: bool = False
 
     @property
     @abstractmethod
@@ -64,6 +83,18 @@ class Model(torch.nn.Module, ABC):
     @abstractmethod
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
         """The cache tensors one KV block needs, for every layer."""
+
+    @abstractmethod
+    def init_runtime(self, runtime: RuntimeConfig) -> None:
+        """Set up what steps need (attention backends, their graph buffers)."""
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Plan one eager step (attention metadata)."""
+
+    def prepare_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        """Plan a pure-decode step padded to `bucket` rows, for a captured graph's replay."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor: ...

@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         help_text = f.metadata["help"]
         if f.type in (bool, "bool"):
-            engine.add_argument(flag, dest=f.name, action="store_false", help=help_text)
+            action = "store_false" if f.default else "store_true"
+            engine.add_argument(flag, dest=f.name, action=action, help=help_text)
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
         if f.default is dataclasses.MISSING:

@@ -29,7 +29,8 @@ def paged_attention(
     for i, (q_len, seq_len) in enumerate(
         zip(batch.query_lens_cpu, batch.seq_lens_cpu, strict=True)
     ):
-        blocks = batch.block_tables[i, : (seq_len + bs - 1) // bs].long()
+        table = batch.block_tables_cpu[i][: (seq_len + bs - 1) // bs]
+        blocks = torch.tensor(table, dtype=torch.long, device=q.device)
         k = kv_layer[blocks, 0].flatten(0, 1)[:seq_len]
         v = kv_layer[blocks, 1].flatten(0, 1)[:seq_len]
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)

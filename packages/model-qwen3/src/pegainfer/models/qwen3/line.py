@@ -29,7 +29,6 @@ class Qwen3Line(ModelLine):
             model = Qwen3ForCausalLM(cfg).to(ctx.dtype)
         model = model.to_empty(device=ctx.device)
         load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map)
-        model.init_rope(ctx.device)
         return model
 
     def write_tiny_checkpoint(

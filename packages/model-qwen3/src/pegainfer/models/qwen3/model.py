@@ -1,24 +1,46 @@
-"""Qwen3's forward pass over paged KV, in plain torch ops (the reference and the CPU path).
+"""Qwen3's forward pass over paged KV.
 
-Parameters are fused where the GPU path wants them fused: q/k/v in one matrix, gate/up in one.
-The forward follows transformers' `Qwen3ForCausalLM` op for op, casts included.
+Two sets of ops compute the same function: plain torch ops (the reference and the CPU path,
+following transformers' `Qwen3ForCausalLM` op for op, casts included) and, on CUDA, fused
+Triton kernels plus FlashInfer attention. Parameters are fused where the GPU path wants them
+fused: q/k/v in one matrix, gate/up in one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attention
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
-from pegainfer.core.model_line import Model
-from pegainfer.core.ops.activation import silu_and_mul
-from pegainfer.core.ops.paged_attention import paged_attention, write_kv
-from pegainfer.core.ops.rms_norm import add_rms_norm, rms_norm
+from pegainfer.core.model_line import Model, RuntimeConfig
+from pegainfer.core.ops import activation, rms_norm
+from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
 from pegainfer.core.weights import WeightTarget
 from pegainfer.models.qwen3.config import Qwen3Config
+
+
+@dataclass(frozen=True)
+class _Ops:
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    fused_qk: Callable[..., torch.Tensor] | None  # q/k norm + RoPE + KV write in one kernel
+
+
+def _ops(device: torch.device) -> _Ops:
+    if device.type != "cuda":
+        return _Ops(rms_norm.add_rms_norm, activation.silu_and_mul, None)
+    from pegainfer.core.kernels import activation as fast_activation
+    from pegainfer.core.kernels import norm as fast_norm
+    from pegainfer.models.qwen3.kernels import qk_norm_rope_kv_write
+
+    return _Ops(fast_norm.add_rms_norm, fast_activation.silu_and_mul, qk_norm_rope_kv_write)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -45,24 +67,37 @@ class Qwen3Layer(nn.Module):
         batch: ForwardBatch,
         kv_layer: torch.Tensor,
         rope: RotaryEmbedding,
+        attn: PagedAttention,
+        ops: _Ops,
     ) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.shape[0]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = F.linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
-        q = rms_norm(q.view(tokens, cfg.num_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k.view(tokens, cfg.num_kv_heads, cfg.head_dim), self.k_norm, cfg.rms_norm_eps)
-        q = rope.apply(q, batch.positions)
-        k = rope.apply(k, batch.positions)
-        write_kv(kv_layer, k, v.view(tokens, cfg.num_kv_heads, cfg.head_dim), batch)
-        out = paged_attention(q, kv_layer, batch, scale=cfg.head_dim**-0.5)
+        qkv = F.linear(x, self.qkv_proj)
+        if ops.fused_qk is not None:
+            q = ops.fused_qk(
+                qkv, self.q_norm, self.k_norm, rope.cos, rope.sin, batch.positions,
+                batch.slot_mapping, kv_layer, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps,
+            )  # fmt: skip
+        else:
+            q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = rms_norm.rms_norm(q.view(tokens, cfg.num_heads, -1), self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm.rms_norm(
+                k.view(tokens, cfg.num_kv_heads, -1), self.k_norm, cfg.rms_norm_eps
+            )
+            q = rope.apply(q, batch.positions)
+            k = rope.apply(k, batch.positions)
+            write_kv(kv_layer, k, v.view(tokens, cfg.num_kv_heads, cfg.head_dim), batch)
+        out = attn.run(q, kv_layer)
         return F.linear(out.reshape(tokens, -1), self.o_proj)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+    def mlp(self, x: torch.Tensor, ops: _Ops) -> torch.Tensor:
+        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class Qwen3ForCausalLM(Model):
+    supports_cuda_graphs = True
+
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -71,6 +106,8 @@ class Qwen3ForCausalLM(Model):
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope: RotaryEmbedding | None = None
+        self.attn: PagedAttention | None = None
+        self.ops: _Ops | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -80,16 +117,28 @@ class Qwen3ForCausalLM(Model):
     def max_position_embeddings(self) -> int:
         return self.cfg.max_position_embeddings
 
-    def init_rope(self, device: torch.device) -> None:
-        cfg = self.cfg
-        self.rope = RotaryEmbedding(
-            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device
-        )
-
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
         cfg = self.cfg
         block = (2, block_size, cfg.num_kv_heads, cfg.head_dim)
         return [ArenaSpec("kv", cfg.num_layers, block, self.embed_tokens.dtype)]
+
+    def init_runtime(self, runtime: RuntimeConfig) -> None:
+        cfg = self.cfg
+        device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, runtime.max_model_len, device)
+        shape = GQAShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = make_paged_attention(
+            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
+        )
+        self.ops = _ops(device)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        assert self.attn is not None, "init_runtime() must run before the first step"
+        self.attn.plan(batch)
+
+    def prepare_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        assert self.attn is not None, "init_runtime() must run before the first step"
+        self.attn.plan_graph(batch, bucket)
 
     def checkpoint_name_map(self, name: str) -> WeightTarget | None:
         """Map a Hugging Face checkpoint tensor name to our (fused) parameter."""
@@ -115,16 +164,20 @@ class Qwen3ForCausalLM(Model):
         return shards.get(leaf) or WeightTarget(f"{layer}.{leaf}")
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        assert self.rope is not None, "init_rope() must run before the first forward"
+        rope, attn, ops = self.rope, self.attn, self.ops
+        assert rope is not None and attn is not None and ops is not None
         eps = self.cfg.rms_norm_eps
         kv = kv_cache["kv"]
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         residual = None
         for index, layer in enumerate(self.layers):
-            x, residual = add_rms_norm(hidden, residual, layer.input_layernorm, eps)
-            hidden = layer.attention(x, batch, kv[index], self.rope)
-            x, residual = add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)
-            hidden = layer.mlp(x)
-        x, _ = add_rms_norm(hidden, residual, self.norm, eps)
+            x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm, eps)
+            hidden = layer.attention(x, batch, kv[index], rope, attn, ops)
+            x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)
+            hidden = layer.mlp(x, ops)
+        # Only the rows that sample go through the final norm and the LM head.
+        x, _ = ops.add_rms_norm(
+            hidden[batch.logits_indices], residual[batch.logits_indices], self.norm, eps
+        )
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x[batch.logits_indices], head).float()
+        return F.linear(x, head).float()

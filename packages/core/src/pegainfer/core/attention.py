@@ -1,0 +1,180 @@
+"""Paged GQA attention: one interface, a torch reference and a FlashInfer implementation.
+
+A model plans attention once per step (`plan`), outside any CUDA graph, then calls `run` in
+every layer. The FlashInfer backend runs mixed steps (prefill chunks and decodes) through one
+batch-prefill plan, decodes being one-row queries, and pure-decode steps captured in CUDA
+graphs through a decode wrapper per batch-size bucket with fixed index buffers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.ops.paged_attention import paged_attention
+
+_WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class GQAShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+class PagedAttention(ABC):
+    """Causal attention of a step's queries over each sequence's paged K/V."""
+
+    def __init__(self, shape: GQAShape) -> None:
+        self.shape = shape
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Prepare for `run` calls on `batch` (once per step, never inside a CUDA graph)."""
+
+    @abstractmethod
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        """q [tokens, heads, head_dim] → output of the same shape, for one layer's cache."""
+
+    def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        """Plan a pure-decode batch padded to `bucket` rows for a captured graph."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+
+class TorchPagedAttention(PagedAttention):
+    """The reference: per-sequence SDPA over gathered blocks."""
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self._batch = batch
+
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        return paged_attention(q, kv_layer, self._batch, self.shape.scale)
+
+
+@dataclass
+class _PagedIndex:
+    """FlashInfer's description of the pages each sequence reads (int32)."""
+
+    kv_indptr: torch.Tensor  # [B + 1] host
+    kv_indices: torch.Tensor  # [pages] device
+    last_page_len: torch.Tensor  # [B] host
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, device: torch.device) -> _PagedIndex:
+        bs = batch.block_size
+        pages = [(n + bs - 1) // bs for n in batch.seq_lens_cpu]
+        indices = [
+            b for table, p in zip(batch.block_tables_cpu, pages, strict=True) for b in table[:p]
+        ]
+        indptr = [0]
+        for p in pages:
+            indptr.append(indptr[-1] + p)
+        last = [n - (p - 1) * bs for n, p in zip(batch.seq_lens_cpu, pages, strict=True)]
+        return cls(
+            kv_indptr=torch.tensor(indptr, dtype=torch.int32).pin_memory(),
+            kv_indices=torch.tensor(indices, dtype=torch.int32)
+            .pin_memory()
+            .to(device, non_blocking=True),
+            last_page_len=torch.tensor(last, dtype=torch.int32).pin_memory(),
+        )
+
+
+class FlashInferPagedAttention(PagedAttention):
+    def __init__(
+        self,
+        shape: GQAShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_pages_per_seq: int,
+        graph_buckets: tuple[int, ...] = (),
+    ) -> None:
+        import flashinfer
+
+        super().__init__(shape)
+        self.dtype = dtype
+        self.device = device
+        self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa2"
+        )
+        tensor_cores = shape.num_heads // shape.num_kv_heads >= 4
+        # One set of index buffers, sliced per bucket: graphs replay one at a time.
+        largest = max(graph_buckets, default=0)
+        indptr = torch.zeros(largest + 1, dtype=torch.int32, device=device)
+        indices = torch.zeros(largest * max_pages_per_seq, dtype=torch.int32, device=device)
+        last_page_len = torch.zeros(largest, dtype=torch.int32, device=device)
+        self._graph_decode = {
+            bucket: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=indptr[: bucket + 1],
+                paged_kv_indices_buffer=indices[: bucket * max_pages_per_seq],
+                paged_kv_last_page_len_buffer=last_page_len[:bucket],
+            )
+            for bucket in graph_buckets
+        }
+        self._active = self._prefill
+
+    def plan(self, batch: ForwardBatch) -> None:
+        index = _PagedIndex.of(batch, self.device)
+        qo_indptr = batch.query_start_loc_cpu.pin_memory()
+        s = self.shape
+        self._prefill.plan(
+            qo_indptr,
+            index.kv_indptr,
+            index.kv_indices,
+            index.last_page_len,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            batch.block_size,
+            causal=True,
+            sm_scale=s.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        self._active = self._prefill
+
+    def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        index = _PagedIndex.of(batch, self.device)
+        s = self.shape
+        wrapper = self._graph_decode[bucket]
+        wrapper.plan(
+            index.kv_indptr,
+            index.kv_indices,
+            index.last_page_len,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            batch.block_size,
+            sm_scale=s.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        self._active = wrapper
+
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        return self._active.run(q, kv_layer)
+
+
+def make_paged_attention(
+    shape: GQAShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_pages_per_seq: int,
+    graph_buckets: tuple[int, ...] = (),
+) -> PagedAttention:
+    """FlashInfer on CUDA, the torch reference elsewhere."""
+    if device.type == "cuda":
+        return FlashInferPagedAttention(shape, dtype, device, max_pages_per_seq, graph_buckets)
+    return TorchPagedAttention(shape)

@@ -1,0 +1,107 @@
+"""CUDA graphs for decode steps, one per batch-size bucket.
+
+Decode steps are launch-bound: a 36-layer model issues hundreds of small kernels per token.
+Each bucket's forward is captured once into a shared memory pool (largest first) over static
+input buffers; a step is padded to the next bucket with rows that read and write a reserved
+dummy block, its attention is planned outside the graph, and the graph is replayed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.kv_cache import KVCache
+from pegainfer.core.model_line import Model
+
+logger = logging.getLogger(__name__)
+
+
+def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 8 up to `max_num_seqs` (itself included)."""
+    buckets = {b for b in (1, 2, 4, 8) if b <= max_num_seqs}
+    buckets |= set(range(16, max_num_seqs + 1, 8)) | {max_num_seqs}
+    return tuple(sorted(buckets))
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: Model,
+        kv_cache: KVCache,
+        buckets: tuple[int, ...],
+        dummy_block: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = buckets
+        self.dummy_block = dummy_block
+        self.block_size = block_size
+        largest = max(buckets)
+        # Static inputs: [input_ids, positions, slot_mapping] per row.
+        self._inputs = torch.zeros(3, largest, dtype=torch.int64, device=device)
+        self._inputs[2].fill_(dummy_block * block_size)
+        self._rows = torch.arange(largest, device=device)
+        self._logits = torch.empty(largest, model.vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Pure decode, every row sampling, within the largest bucket."""
+        n = batch.num_seqs
+        return batch.is_decode and batch.logits_indices.shape[0] == n and n <= self.max_batch
+
+    def capture(self) -> None:
+        pool = None
+        for bucket in reversed(self.buckets):
+            batch = self._padded(bucket, [], [])
+            self.model.prepare_graph(batch, bucket)
+            self.model(batch, self.kv_cache)  # warm-up: compiles kernels, settles allocations
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[:bucket].copy_(self.model(batch, self.kv_cache))
+            pool = graph.pool()
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s", list(self.buckets))
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a pure-decode batch, by replaying its bucket's graph."""
+        n = batch.num_seqs
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self._inputs[0, :n].copy_(batch.input_ids)
+        self._inputs[1, :n].copy_(batch.positions)
+        self._inputs[2, :n].copy_(batch.slot_mapping)
+        # Rows past n keep what capture or earlier replays left: the dummy slot, position 0,
+        # and whatever token; they only ever touch the dummy block.
+        self._inputs[:2, n:bucket].zero_()
+        self._inputs[2, n:bucket].fill_(self.dummy_block * self.block_size)
+        padded = self._padded(bucket, batch.seq_lens_cpu, batch.block_tables_cpu)
+        self.model.prepare_graph(padded, bucket)
+        self._graphs[bucket].replay()
+        return self._logits[:n]
+
+    def _padded(
+        self, bucket: int, seq_lens: list[int], block_tables: list[list[int]]
+    ) -> ForwardBatch:
+        """The static batch of `bucket` rows; rows past the real ones attend the dummy block."""
+        pad = bucket - len(seq_lens)
+        return ForwardBatch(
+            input_ids=self._inputs[0, :bucket],
+            positions=self._inputs[1, :bucket],
+            slot_mapping=self._inputs[2, :bucket],
+            logits_indices=self._rows[:bucket],
+            block_size=self.block_size,
+            query_lens_cpu=[1] * bucket,
+            seq_lens_cpu=seq_lens + [1] * pad,
+            block_tables_cpu=block_tables + [[self.dummy_block]] * pad,
+            query_start_loc_cpu=torch.arange(bucket + 1, dtype=torch.int32),
+        )

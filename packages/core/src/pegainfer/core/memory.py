@@ -1,0 +1,101 @@
+"""Sizing the KV cache on a GPU from what a step actually uses.
+
+After the weights are loaded, one worst-case step (a full-budget prefill, and sampling at the
+full batch width) runs on a scratch cache; its peak, the weights and a reserve for CUDA graphs
+come off the memory `gpu_memory_utilization` allows, and the rest becomes KV blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.core.errors import ConfigError
+from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.kv_cache import ArenaSpec, KVCache, blocks_for_memory, bytes_per_block
+from pegainfer.core.model_line import Model
+from pegainfer.core.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+GIB = 1 << 30
+# CUDA graphs' private pool (decode activations are small) and allocator slack.
+_GRAPH_RESERVE = 1 * GIB
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    total: int
+    weights: int
+    activations: int
+    reserve: int
+    kv_cache: int
+    num_blocks: int
+
+    def describe(self) -> str:
+        return (
+            f"GPU memory: {self.total / GIB:.1f} GiB total; weights {self.weights / GIB:.2f} GiB, "
+            f"step peak {self.activations / GIB:.2f} GiB, graphs and slack "
+            f"{self.reserve / GIB:.2f} GiB, KV cache {self.kv_cache / GIB:.2f} GiB "
+            f"({self.num_blocks} blocks)"
+        )
+
+
+def profile_step_peak(
+    model: Model,
+    specs: list[ArenaSpec],
+    block_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    device: torch.device,
+) -> int:
+    """Bytes a worst-case step allocates beyond what is resident (weights, buffers)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device)
+    pages = -(-num_tokens // block_size)
+    scratch = KVCache(specs, pages, device)
+    batch = ForwardBatch.build(
+        [[0] * num_tokens], [0], [list(range(pages))], [True], block_size, device
+    )
+    with torch.inference_mode():
+        model.prepare(batch)
+        model(batch, scratch)
+        logits = torch.randn(num_seqs, model.vocab_size, device=device)
+        probe = SamplingBatch(
+            temperature=torch.ones(num_seqs),
+            top_k=torch.full((num_seqs,), 20),
+            top_p=torch.full((num_seqs,), 0.9),
+            min_p=torch.full((num_seqs,), 0.05),
+            generators=[torch.Generator(device)] * num_seqs,
+            banned=[frozenset()] * num_seqs,
+        ).to(device)
+        sample(logits, probe)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - resident - scratch.nbytes
+    del scratch, batch, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
+def plan_gpu_kv(
+    specs: list[ArenaSpec], utilization: float, step_peak: int, device: torch.device
+) -> MemoryPlan:
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free  # weights, CUDA context, other processes
+    weights = torch.cuda.memory_allocated(device)
+    kv_bytes = int(total * utilization) - used - step_peak - _GRAPH_RESERVE
+    num_blocks = blocks_for_memory(specs, max(kv_bytes, 0))
+    if num_blocks < 1:
+        raise ConfigError(
+            f"no GPU memory is left for the KV cache at gpu_memory_utilization {utilization}: "
+            f"{used / GIB:.1f} GiB in use, a step needs {step_peak / GIB:.1f} GiB more, of "
+            f"{total / GIB:.1f} GiB"
+        )
+    plan = MemoryPlan(
+        total, weights, step_peak, _GRAPH_RESERVE, num_blocks * bytes_per_block(specs), num_blocks
+    )
+    logger.info(plan.describe())
+    return plan
