@@ -57,16 +57,18 @@ def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
     }
 
 
-def random_weights(cfg: Qwen3Config, seed: int, std: float = 0.1) -> dict[str, torch.Tensor]:
+def random_weights(
+    cfg: Qwen3Config, seed: int, std: float = 0.1, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Hugging Face-named tensors; norm weights are perturbed away from 1 so misuse shows.
 
     The scales give next-token logits a spread of a few nats: peaked enough that greedy
     decoding has no near-ties, flat enough that sampling still varies.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
 
     def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale + mean
+        return torch.randn(*shape, generator=g, device=device) * scale + mean
 
     def norm(size: int) -> torch.Tensor:
         return normal(size, mean=1.0, scale=0.1)
@@ -95,8 +97,10 @@ def random_weights(cfg: Qwen3Config, seed: int, std: float = 0.1) -> dict[str, t
 
 
 def write_tiny_qwen3(
-    out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu", **overrides: Any
 ) -> None:
+    """Write the checkpoint; `device` is where the random weights are drawn (a GPU is much
+    faster at real sizes), `overrides` replace config.json fields."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     template = resources.files("pegainfer.models.qwen3").joinpath("chat_template.jinja")
@@ -114,8 +118,9 @@ def write_tiny_qwen3(
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64
     config = default_config(vocab_size, bos=endoftext, eos=im_end) | overrides
     dtype = getattr(torch, config["torch_dtype"])
-    tensors = random_weights(Qwen3Config.from_dict(config), seed)
-    save_sharded({n: t.to(dtype).contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+    tensors = random_weights(Qwen3Config.from_dict(config), seed, device=device)
+    tensors = {n: t.to(dtype).cpu().contiguous() for n, t in tensors.items()}
+    save_sharded(tensors, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {
         "bos_token_id": endoftext,

@@ -1,0 +1,174 @@
+"""Qwen3 decode-step and prefill timings on one GPU, beside limits measured in the same run.
+
+    python benchmarks/qwen3_step.py --shape 4b --out result.json
+
+Random weights at the real shapes (drawn on the GPU, written as a checkpoint), the engine as
+served (CUDA graphs on, greedy sampling, one device-to-host copy per step). Decode: B requests
+with a 1k-token context, median step time over many steps, against the HBM limit (weight bytes
+plus the KV bytes a step reads, over the measured device-copy bandwidth). Prefill: one prompt
+of T tokens in one step, against the bf16 matmul rate measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine import EngineCore
+from pegainfer.core.messages import EngineRequest
+from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.models.qwen3.tiny import write_tiny_qwen3
+
+SHAPES = {
+    "4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "tie_word_embeddings": True},
+    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "tie_word_embeddings": False},
+}  # fmt: skip
+VOCAB = 151936
+
+
+def cuda_time(fn, iters: int = 20) -> float:
+    """Median seconds per call, measured with CUDA events after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy (read + write)."""
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / cuda_time(lambda: dst.copy_(src))
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    return 2 * 8192**3 / cuda_time(lambda: a @ b)
+
+
+def submit(engine: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(
+        EngineRequest(
+            request_id=rid, prompt_token_ids=prompt, params=params, eos_token_ids=[],
+            arrival_time=time.time(),
+        )
+    )  # fmt: skip
+
+
+def decode_step_time(engine: EngineCore, batch: int, context: int, steps: int) -> float:
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        submit(engine, f"d{batch}-{i}", torch.randint(0, VOCAB, (context,), generator=g).tolist(),
+               steps + 8)  # fmt: skip
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.requests.values()):
+        engine.step()  # prefill (and the first decodes as prefill completes)
+    engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()  # ends in the device-to-host copy of the sampled ids
+        times.append(time.perf_counter() - start)
+    engine.abort(list(engine.requests))
+    return statistics.median(times)
+
+
+def prefill_time(engine: EngineCore, tokens: int, reps: int = 3) -> float:
+    times = []
+    for rep in range(reps + 1):
+        g = torch.Generator().manual_seed(tokens + rep)
+        submit(
+            engine, f"p{tokens}-{rep}", torch.randint(0, VOCAB, (tokens,), generator=g).tolist(), 1
+        )
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        assert not engine.requests, "the prompt did not prefill in one step"
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="4b")
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--prefill", default="1024,4096,16384")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    bandwidth, flops = copy_bandwidth(), matmul_rate()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tiny_qwen3(Path(tmp), device="cuda", torch_dtype="bfloat16", vocab_size=VOCAB,
+                         max_position_embeddings=40960, **shape)  # fmt: skip
+        batches = [int(b) for b in args.batches.split(",")]
+        prefills = [int(t) for t in args.prefill.split(",")]
+        started = time.perf_counter()
+        engine = EngineCore(EngineArgs(
+            model=tmp, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+            max_model_len=max(prefills) + 64, max_num_batched_tokens=max(prefills),
+            enable_prefix_caching=False,
+        ))  # fmt: skip
+        load_s = time.perf_counter() - started
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    cfg = engine.model.cfg
+    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    # The embedding is gathered (a few rows), not streamed; the LM head is. Tied: one matrix.
+    embed_bytes = 0 if cfg.tie_word_embeddings else VOCAB * cfg.hidden_size * 2
+    streamed = weight_bytes - embed_bytes
+    decode = []
+    for batch in batches:
+        step = decode_step_time(engine, batch, args.context, args.steps)
+        kv = batch * (args.context + args.steps // 2) * kv_bytes_per_token
+        limit = (streamed + kv) / bandwidth
+        decode.append({
+            "batch": batch, "step_ms": step * 1e3, "hbm_limit_ms": limit * 1e3,
+            "fraction_of_limit": limit / step, "tokens_per_s": batch / step,
+        })  # fmt: skip
+        print(decode[-1], flush=True)
+    matmul_params = streamed - VOCAB * cfg.hidden_size * 2  # the LM head runs for one row
+    prefill = []
+    for tokens in prefills:
+        t = prefill_time(engine, tokens)
+        attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # causal QK+PV
+        flop = 2 * (matmul_params / 2) * tokens + attn
+        prefill.append({"tokens": tokens, "time_ms": t * 1e3, "tflops": flop / t / 1e12,
+                        "fraction_of_matmul_rate": flop / t / flops})  # fmt: skip
+        print(prefill[-1], flush=True)
+
+    revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    result = {
+        "shape": args.shape, "config": shape, "revision": revision.strip() or None,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "measured_copy_bandwidth_GBps": bandwidth / 1e9,
+        "measured_bf16_matmul_TFLOPs": flops / 1e12,
+        "weight_bytes": weight_bytes, "engine_load_s": load_s,
+        "num_kv_blocks": engine.config.num_kv_blocks, "decode": decode, "prefill": prefill,
+    }  # fmt: skip
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The golden gate: teacher-forced logprobs of our engine against transformers (PegaInfer's method).
+
+Random token sequences are prefilled, then a fixed continuation is fed one token per step
+(teacher forcing, so both sides see the same context); at the last prompt position and after
+each fed token, our next-token distribution is compared with transformers' on the same prefix:
+- regret: transformers' logprob of its own argmax minus its logprob of ours (≤ 0.20 nat), and
+  our argmax within transformers' top 64;
+- over our top 8 tokens, |Δ logprob|: mean ≤ 0.06, p99 ≤ 0.20.
+Passes drive the engine's model, KV cache and CUDA graphs directly, so batch composition,
+graph buckets and cached prefixes are chosen exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pegainfer.core.engine import EngineCore
+from pegainfer.core.forward_batch import ForwardBatch
+
+REGRET_TOL, MEAN_TOL, P99_TOL = 0.20, 0.06, 0.20
+HEAD_K, HF_TOP = 8, 64
+
+
+@dataclass
+class Case:
+    prompt: list[int]
+    continuation: list[int]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.continuation
+
+
+def make_cases(n: int, vocab: int, max_prompt: int, decode: int, seed: int) -> list[Case]:
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for _ in range(n):
+        length = int(torch.randint(1, max_prompt + 1, (1,), generator=g))
+        tokens = torch.randint(0, vocab, (length + decode,), generator=g).tolist()
+        cases.append(Case(tokens[:length], tokens[length:]))
+    return cases
+
+
+@torch.inference_mode()
+def reference_logprobs(hf, case: Case) -> torch.Tensor:
+    """transformers' logprobs at the last prompt position and after each fed token [D+1, V]."""
+    ids = torch.tensor([case.tokens[:-1] if case.continuation else case.tokens], device="cuda")
+    logits = hf(ids).logits[0].float()
+    return logits[len(case.prompt) - 1 :].log_softmax(-1)
+
+
+@dataclass
+class GateResult:
+    regrets: list[float] = field(default_factory=list)
+    deltas: list[float] = field(default_factory=list)
+    outside_top: int = 0
+
+    @property
+    def positions(self) -> int:
+        return len(self.regrets)
+
+    def add(self, ours: torch.Tensor, ref: torch.Tensor) -> None:
+        """Compare rows of our logits [N, V] with reference logprobs [N, V]."""
+        ours_lp = ours.float().log_softmax(-1)
+        pick = ours_lp.argmax(-1, keepdim=True)
+        regret = ref.max(-1).values - ref.gather(-1, pick).squeeze(-1)
+        self.regrets += regret.tolist()
+        top = ref.topk(HF_TOP, dim=-1).indices
+        self.outside_top += int((~(top == pick).any(-1)).sum())
+        head = ours_lp.topk(HEAD_K, dim=-1).indices
+        self.deltas += (ours_lp.gather(-1, head) - ref.gather(-1, head)).abs().flatten().tolist()
+
+    def summary(self) -> dict[str, float]:
+        deltas = torch.tensor(self.deltas)
+        return {
+            "positions": self.positions,
+            "max_regret": max(self.regrets),
+            "outside_hf_top64": self.outside_top,
+            "mean_abs_delta": deltas.mean().item(),
+            "p99_abs_delta": deltas.quantile(0.99).item(),
+            "max_abs_delta": deltas.max().item(),
+        }
+
+    def check(self) -> None:
+        s = self.summary()
+        assert s["max_regret"] <= REGRET_TOL, s
+        assert s["outside_hf_top64"] == 0, s
+        assert s["mean_abs_delta"] <= MEAN_TOL, s
+        assert s["p99_abs_delta"] <= P99_TOL, s
+
+
+class TeacherForcer:
+    """Runs cases through the engine's model with blocks taken from its block manager."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.bs = engine.config.block_size
+
+    def _blocks(self, n_tokens: int, reuse: list[int]) -> list[int]:
+        need = -(-n_tokens // self.bs) - len(reuse)
+        fresh = self.engine.block_manager.allocate(need)
+        assert fresh is not None, "the KV cache is too small for this pass"
+        return reuse + fresh
+
+    def _step(self, chunks, starts, tables, graphs: bool) -> torch.Tensor:
+        batch = ForwardBatch.build(
+            chunks, starts, tables, [True] * len(chunks), self.bs, self.engine.config.device
+        )
+        eng = self.engine
+        if graphs and eng.graphs is not None and eng.graphs.can_run(batch):
+            return eng.graphs.run(batch).clone()
+        eng.model.prepare(batch)
+        return eng.model(batch, eng.kv_cache)
+
+    @torch.inference_mode()
+    def run(
+        self, cases: list[Case], graphs: bool = True, cached_prefix: bool = False
+    ) -> list[torch.Tensor]:
+        """Our logits [D+1, V] for each case, all cases batched together.
+
+        With `cached_prefix`, each case is first run alone, then run again reusing the full
+        blocks of its prompt, as a prefix-cache hit does, so only the rest is prefilled.
+        """
+        reuse: list[list[int]] = [[] for _ in cases]
+        starts = [0] * len(cases)
+        held: list[int] = []
+        if cached_prefix:
+            for i, case in enumerate(cases):
+                table = self._blocks(len(case.prompt), [])
+                self._step([case.prompt], [0], [table], graphs=False)
+                full = (len(case.prompt) - 1) // self.bs
+                reuse[i], starts[i] = table[:full], full * self.bs
+                held += table
+        tables = [self._blocks(len(c.tokens), r) for c, r in zip(cases, reuse, strict=True)]
+        out = [[] for _ in cases]
+        logits = self._step(
+            [c.prompt[s:] for c, s in zip(cases, starts, strict=True)],
+            starts,
+            tables,
+            graphs=False,
+        )
+        for i in range(len(cases)):
+            out[i].append(logits[i])
+        for t in range(len(cases[0].continuation)):
+            chunks = [[c.continuation[t]] for c in cases]
+            positions = [len(c.prompt) + t for c in cases]
+            logits = self._step(chunks, positions, tables, graphs)
+            for i in range(len(cases)):
+                out[i].append(logits[i])
+        for table, r in zip(tables, reuse, strict=True):
+            self.engine.block_manager.release(table[len(r) :])
+        self.engine.block_manager.release(held)
+        return [torch.stack(rows) for rows in out]

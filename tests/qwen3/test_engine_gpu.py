@@ -1,0 +1,159 @@
+"""Qwen3 on CUDA: graph replay against eager, and the golden gate at small and real shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine import EngineCore
+from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.models.qwen3.line import Qwen3Line
+from tests.qwen3.golden_gate import GateResult, TeacherForcer, make_cases, reference_logprobs
+
+pytestmark = pytest.mark.gpu
+
+# Real head geometry (head_dim 128, GQA group 4) at a small width and depth.
+SMALL = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+         "torch_dtype": "bfloat16"}  # fmt: skip
+
+
+def gpu_engine(path: Path, **overrides) -> EngineCore:
+    args = dict(model=str(path), device="cuda", dtype="bfloat16", max_model_len=2048,
+                max_num_seqs=16, gpu_memory_utilization=0.5)  # fmt: skip
+    return EngineCore(EngineArgs(**(args | overrides)))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    import transformers
+
+    path = tmp_path_factory.mktemp("qwen3-small-gpu")
+    Qwen3Line().write_tiny_checkpoint(path, seed=11, **SMALL)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    return path, gpu_engine(path), hf
+
+
+def test_graph_replay_equals_eager_for_the_same_batch(small):
+    """A replay computes exactly what the same kernels compute eagerly, padding included."""
+    _, engine, _ = small
+    forcer = TeacherForcer(engine)
+    bs = engine.config.block_size
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 1, 33)]
+    tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
+    forcer._step(prompts, [0] * 5, tables, graphs=False)
+    cuda = torch.device("cuda")
+    batch = ForwardBatch.build([[7]] * 5, [len(p) for p in prompts], tables, [True] * 5, bs, cuda)
+    replayed = engine.graphs.run(batch).clone()
+    padded = engine.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu)
+    padded.input_ids[:5].copy_(batch.input_ids)
+    padded.positions[:5].copy_(batch.positions)
+    padded.slot_mapping[:5].copy_(batch.slot_mapping)
+    with torch.inference_mode():
+        engine.model.prepare_graph(padded, 8)
+        eager = engine.model(padded, engine.kv_cache)[:5]
+    assert torch.equal(replayed, eager)
+    for table in tables:
+        engine.block_manager.release(table)
+
+
+def gate(engine: EngineCore, hf, cases, **run_args) -> GateResult:
+    result = GateResult()
+    ours = TeacherForcer(engine).run(cases, **run_args)
+    for case, logits in zip(cases, ours, strict=True):
+        result.add(logits, reference_logprobs(hf, case))
+    return result
+
+
+def test_small_golden_gate(small):
+    _, engine, hf = small
+    cases = make_cases(9, vocab=1000, max_prompt=200, decode=8, seed=0)
+    results = {
+        "batch9_graph16": gate(engine, hf, cases),
+        "batch5_graph8": gate(engine, hf, cases[:5]),
+        "prefix_hit": gate(engine, hf, cases, cached_prefix=True),
+        "eager": gate(engine, hf, cases, graphs=False),
+    }
+    for name, result in results.items():
+        print(name, result.summary())
+        result.check()
+
+
+def test_batch1_is_deterministic(small):
+    _, engine, _ = small
+    (case,) = make_cases(1, vocab=1000, max_prompt=100, decode=8, seed=3)
+    first, second = (TeacherForcer(engine).run([case])[0] for _ in range(2))
+    assert torch.equal(first, second)
+
+
+@pytest.fixture(scope="module")
+def real_shapes(tmp_path_factory):
+    """Qwen3-4B shapes with random weights (written by transformers), or QWEN3_GATE_DIR."""
+    import transformers
+
+    path = Path(os.environ.get("QWEN3_GATE_DIR") or tmp_path_factory.mktemp("qwen3-4b"))
+    config = transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=True, initializer_range=0.02, dtype="bfloat16",
+    )  # fmt: skip
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            hf = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(1 + 0.1 * torch.randn_like(param))
+            # Peaked next-token distributions: logits with a spread of a few nats.
+            hf.model.embed_tokens.weight.normal_(0, 4.0 / config.hidden_size**0.5)
+        hf.save_pretrained(path)
+        (path / "gate.json").write_text(json.dumps({"seed": 0}))
+    else:
+        hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    return path, hf.eval()
+
+
+@pytest.mark.slow
+def test_golden_gate_at_qwen3_4b_shapes(real_shapes):
+    path, hf = real_shapes
+    engine = gpu_engine(path, max_model_len=4096, gpu_memory_utilization=0.6)
+    cases = make_cases(48, vocab=151936, max_prompt=256, decode=10, seed=0)
+    results = {
+        "batch1_run1": GateResult(),
+        "batch1_run2": GateResult(),
+    }
+    forcer = TeacherForcer(engine)
+    refs = [reference_logprobs(hf, c) for c in cases]
+    for case, ref in zip(cases, refs, strict=True):
+        first = forcer.run([case])[0]
+        second = forcer.run([case])[0]
+        assert torch.equal(first, second), "batch-1 replay is not deterministic"
+        results["batch1_run1"].add(first, ref)
+        results["batch1_run2"].add(second, ref)
+    groups = {"batch9_graph16": 9, "batch5_graph8": 5}
+    for name, width in groups.items():
+        results[name] = GateResult()
+        for start in range(0, len(cases) - width + 1, width):
+            chunk = cases[start : start + width]
+            for logits, ref in zip(forcer.run(chunk), refs[start : start + width], strict=True):
+                results[name].add(logits, ref)
+    results["prefix_hit"] = GateResult()
+    for start in range(0, 45, 9):
+        chunk = cases[start : start + 9]
+        for logits, ref in zip(forcer.run(chunk, cached_prefix=True), refs[start:], strict=False):
+            results["prefix_hit"].add(logits, ref)
+    summary = {name: r.summary() for name, r in results.items()}
+    out = os.environ.get("GATE_JSON")
+    if out:
+        Path(out).write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    for r in results.values():
+        r.check()
+    assert results["batch1_run1"].positions >= 500
