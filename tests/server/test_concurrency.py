@@ -1,0 +1,135 @@
+"""Many streams at once, and clients that go away: their requests are aborted and freed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from urllib.parse import urlparse
+
+import httpx
+from openai import AsyncOpenAI
+
+from tests.server.helpers import PROMPT, metric, metrics, tokenize, wait_until
+
+NUM_STREAMS = 64
+MAX_TOKENS = 12
+LONG = 480  # with a 7-token prompt, close to the 512-token context: never done in time
+
+
+def aborts(url: str) -> float:
+    return metric(metrics(url), "vllm:request_success_total", finished_reason="abort")
+
+
+def idle_after_aborts(url: str, expected_aborts: float) -> bool:
+    """Nothing running, no KV blocks held, and the abort counted."""
+    snapshot = metrics(url)
+    return (
+        metric(snapshot, "vllm:num_requests_running") == 0
+        and metric(snapshot, "vllm:num_requests_waiting") == 0
+        and metric(snapshot, "vllm:kv_cache_usage_perc") == 0.0
+        and metric(snapshot, "vllm:request_success_total", finished_reason="abort")
+        == expected_aborts
+    )
+
+
+async def cancel_after_chunks(url: str, chunks: int) -> int:
+    """Start a long stream, read `chunks` events, then drop the connection."""
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    seen = 0
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        client.stream("POST", url + "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == chunks:
+                    break
+    return seen
+
+
+def test_64_concurrent_streams_complete_with_exact_usage(server):
+    prompts = [f"Request {i}: {PROMPT}" for i in range(NUM_STREAMS)]
+    prompt_tokens = [len(tokenize(server, prompt=p)) for p in prompts]
+    aborts_before = aborts(server.url)
+
+    async def one(client: AsyncOpenAI, prompt: str):
+        stream = await client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        return chunks
+
+    async def run():
+        client = AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        try:
+            # One more client hangs up mid-stream while the 64 run.
+            return await asyncio.gather(
+                *(one(client, p) for p in prompts), cancel_after_chunks(server.url, 2)
+            )
+        finally:
+            await client.close()
+
+    *results, cancelled_after = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    assert cancelled_after == 2
+    ids = set()
+    for chunks, expected_prompt in zip(results, prompt_tokens, strict=True):
+        *content, last = chunks
+        assert len(content) == MAX_TOKENS
+        assert content[-1].choices[0].finish_reason == "length"
+        assert last.choices == []
+        assert last.usage.completion_tokens == MAX_TOKENS
+        assert last.usage.prompt_tokens == expected_prompt
+        assert last.usage.total_tokens == expected_prompt + MAX_TOKENS
+        ids |= {chunk.id for chunk in chunks}
+    assert len(ids) == NUM_STREAMS
+    wait_until(lambda: idle_after_aborts(server.url, aborts_before + 1), what="idle engine")
+
+
+def test_cancelled_stream_frees_its_blocks(server):
+    aborts_before = aborts(server.url)
+
+    async def run() -> None:
+        body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+        async with (
+            httpx.AsyncClient(timeout=60) as client,
+            client.stream("POST", server.url + "/v1/completions", json=body) as response,
+        ):
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data: {")
+                if seen == 3:
+                    break
+            # While the stream is open it runs and holds KV blocks.
+            snapshot = metrics(server.url)
+            assert metric(snapshot, "vllm:num_requests_running") == 1
+            assert metric(snapshot, "vllm:kv_cache_usage_perc") > 0.0
+        # Leaving the block closes the connection mid-stream.
+
+    asyncio.run(run())
+    wait_until(lambda: idle_after_aborts(server.url, aborts_before + 1), what="abort to free")
+    assert aborts(server.url) == aborts_before + 1
+
+
+def test_disconnected_non_streaming_request_is_aborted(server):
+    aborts_before = aborts(server.url)
+    address = urlparse(server.url)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(request)
+        wait_until(
+            lambda: metric(metrics(server.url), "vllm:num_requests_running") == 1,
+            what="the request to start running",
+        )
+    wait_until(lambda: idle_after_aborts(server.url, aborts_before + 1), what="abort to free")

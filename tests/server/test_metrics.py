@@ -1,0 +1,149 @@
+"""/metrics parses as Prometheus text, and its counters move by what each request did."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.helpers import MESSAGES, PROMPT, metric, metrics, tokenize, wait_until
+
+COUNTERS = [
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+]
+HISTOGRAMS = [
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+]
+GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
+
+
+def complete(server, prompt: str, max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def deltas(before, after, names) -> dict[str, float]:
+    return {name: metric(after, name) - metric(before, name) for name in names}
+
+
+def test_exposition_parses_and_names_every_metric(server):
+    complete(server, PROMPT, 2)  # so that labelled series exist
+    response = httpx.get(server.url + "/metrics", timeout=30)
+    assert response.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    for name in GAUGES:
+        assert families[name].type == "gauge", name
+    for name in [*COUNTERS, "vllm:request_success_total"]:
+        assert families[name.removesuffix("_total")].type == "counter", name
+    for name in HISTOGRAMS:
+        assert families[name].type == "histogram", name
+    # Every series carries the served model name, as vLLM's do.
+    for family in families.values():
+        for sample in family.samples:
+            assert sample.labels["model_name"] == server.model, sample
+    snapshot = metrics(server.url)
+    assert 0.0 <= metric(snapshot, "vllm:kv_cache_usage_perc") <= 1.0
+    assert metric(snapshot, "vllm:num_requests_running") >= 0
+    assert metric(snapshot, "vllm:num_requests_waiting") >= 0
+
+
+def test_counters_move_by_what_a_request_did(server):
+    n = 5
+    prompt = f"{uuid.uuid4().hex} {PROMPT}"
+    prompt_tokens = len(tokenize(server, prompt=prompt))
+    before = metrics(server.url)
+    usage = complete(server, prompt, n)["usage"]
+    after = metrics(server.url)
+    assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == n
+
+    assert deltas(before, after, COUNTERS) == {
+        "vllm:prompt_tokens_total": prompt_tokens,
+        "vllm:generation_tokens_total": n,
+        "vllm:prefix_cache_queries_total": prompt_tokens,
+        "vllm:prefix_cache_hits_total": 0,
+        "vllm:num_preemptions_total": 0,
+    }
+    assert deltas(before, after, [h + "_count" for h in HISTOGRAMS]) == {
+        "vllm:time_to_first_token_seconds_count": 1,
+        "vllm:inter_token_latency_seconds_count": n - 1,  # one token per step
+        "vllm:e2e_request_latency_seconds_count": 1,
+        "vllm:request_queue_time_seconds_count": 1,
+    }
+    success = {
+        reason: metric(after, "vllm:request_success_total", finished_reason=reason)
+        - metric(before, "vllm:request_success_total", finished_reason=reason)
+        for reason in ("length", "stop", "abort")
+    }
+    assert success == {"length": 1, "stop": 0, "abort": 0}
+    ttft = metric(after, "vllm:time_to_first_token_seconds_sum") - metric(
+        before, "vllm:time_to_first_token_seconds_sum"
+    )
+    e2e = metric(after, "vllm:e2e_request_latency_seconds_sum") - metric(
+        before, "vllm:e2e_request_latency_seconds_sum"
+    )
+    assert 0 < ttft <= e2e < 30
+
+
+def test_prefix_cache_hits_match_cached_tokens(server):
+    prompt = f"{uuid.uuid4().hex} It was the best of times, it was the worst of times."
+    complete(server, prompt, 1)
+    before = metrics(server.url)
+    usage = complete(server, prompt, 1)["usage"]
+    after = metrics(server.url)
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert deltas(before, after, ["vllm:prefix_cache_hits_total"]) == {
+        "vllm:prefix_cache_hits_total": cached
+    }
+    assert deltas(before, after, ["vllm:prefix_cache_queries_total"]) == {
+        "vllm:prefix_cache_queries_total": usage["prompt_tokens"]
+    }
+
+
+def test_stop_and_chat_requests_are_counted_by_reason(server):
+    whole = complete(server, PROMPT, 12)["choices"][0]["text"]
+    before = metrics(server.url)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stop": whole[-3:]}
+    stopped = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    chat = {"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).is_success
+    after = metrics(server.url)
+
+    def moved(reason: str) -> float:
+        return metric(after, "vllm:request_success_total", finished_reason=reason) - metric(
+            before, "vllm:request_success_total", finished_reason=reason
+        )
+
+    assert (moved("stop"), moved("length")) == (1, 1)
+    prompt_total = len(tokenize(server, prompt=PROMPT)) + len(tokenize(server, messages=MESSAGES))
+    assert deltas(before, after, ["vllm:prompt_tokens_total"]) == {
+        "vllm:prompt_tokens_total": prompt_total
+    }
+    generated = stopped["usage"]["completion_tokens"] + 3
+    assert deltas(before, after, ["vllm:generation_tokens_total"]) == {
+        "vllm:generation_tokens_total": generated
+    }
+
+
+def test_gauges_return_to_zero_when_idle(server):
+    def idle() -> bool:
+        snapshot = metrics(server.url)
+        return (
+            metric(snapshot, "vllm:num_requests_running") == 0
+            and metric(snapshot, "vllm:num_requests_waiting") == 0
+            and metric(snapshot, "vllm:kv_cache_usage_perc") == 0.0
+        )
+
+    complete(server, PROMPT, 3)
+    wait_until(idle, what="idle gauges")
