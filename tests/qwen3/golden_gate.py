@@ -46,8 +46,7 @@ def make_cases(n: int, vocab: int, max_prompt: int, decode: int, seed: int) -> l
 @torch.inference_mode()
 def reference_logprobs(hf, case: Case) -> torch.Tensor:
     """transformers' logprobs at the last prompt position and after each fed token [D+1, V]."""
-    ids = torch.tensor([case.tokens[:-1] if case.continuation else case.tokens], device="cuda")
-    logits = hf(ids).logits[0].float()
+    logits = hf(torch.tensor([case.tokens], device="cuda")).logits[0].float()
     return logits[len(case.prompt) - 1 :].log_softmax(-1)
 
 

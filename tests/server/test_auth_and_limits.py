@@ -214,13 +214,6 @@ def test_waiting_limit_answers_503_with_retry_after(guarded):
     assert_serving(guarded.url, headers=AUTH)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="completions.py/chat.py stream() call ensure_capacity() before the SSE response "
-    "starts; its ServerBusyError is not an APIError, so app.py's _crash answers 500. And the "
-    "check reserves nothing, so streams that pass it can still fail in generate() with a "
-    "server_busy error event inside a 200 stream",
-)
 def test_waiting_limit_answers_503_to_streams_too(guarded):
     responses = asyncio.run(burst(guarded.url, stream=True))
     check_busy(responses)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pegainfer.core.detokenizer import IncrementalDetokenizer
+from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.generation_config import GenerationDefaults
 from pegainfer.core.messages import EngineRequest, RequestOutput
 from pegainfer.core.sampling_params import SamplingParams
@@ -106,11 +107,15 @@ class Frontend:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Render a conversation with the model's chat template and tokenize it."""
+        extra = dict(chat_template_kwargs or {})
+        clashes = sorted(extra.keys() & {"messages", "tools", "add_generation_prompt"})
+        if clashes:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(clashes)}: they are request fields",
+                "chat_template_kwargs",
+            )
         text = self.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            **(chat_template_kwargs or {}),
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
         )
         # The template writes any special tokens itself.
         return self.tokenizer.encode(text, add_special_tokens=False)

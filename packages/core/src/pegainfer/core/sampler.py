@@ -39,8 +39,12 @@ class SamplingBatch:
     ) -> SamplingBatch:
         params = [r.params for r in requests]
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]),
+            temperature=torch.tensor(
+                [0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32
+            ),
+            top_k=torch.tensor(
+                [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+            ),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             generators=[r.generator or default_generator for r in requests],

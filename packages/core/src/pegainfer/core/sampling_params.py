@@ -14,12 +14,17 @@ from pegainfer.core.errors import InvalidRequestError
 
 # Largest seed we accept: torch generators take 64-bit seeds.
 _MAX_SEED = 2**63 - 1
+# Below this temperature sampling is greedy (dividing logits by it would overflow).
+MIN_TEMPERATURE = 1e-5
+# Any top_k beyond the vocabulary means "no limit"; the bound keeps it a 32-bit integer.
+_MAX_TOP_K = 2**31 - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop. Defaults follow vLLM's `SamplingParams`.
 
-    temperature 0 means greedy. `top_k` <= 0 and `top_p` 1 disable those filters.
+    temperature 0 (or below 1e-5, where scaling would overflow) means greedy. `top_k` <= 0
+    and `top_p` 1 disable those filters.
     `max_tokens` None means "until the context is full".
     """
 
@@ -37,7 +42,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise `InvalidRequestError` naming the first bad field; return self when all are good."""
@@ -47,9 +52,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
+        if not (-1 <= self.top_k <= _MAX_TOP_K):
             raise InvalidRequestError(
-                f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}", "top_k"
+                f"top_k must be -1 or 0 (disabled) or a positive integer up to {_MAX_TOP_K}, "
+                f"got {self.top_k}",
+                "top_k",
             )
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")

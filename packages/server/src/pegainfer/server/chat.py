@@ -15,6 +15,7 @@ from pegainfer.server.openai_serving import (
     engine_request,
     now,
     request_id,
+    reserve,
     sampling_params,
     sse_stream,
     usage,
@@ -63,7 +64,9 @@ class Chat:
     def prepare(self, body: ChatCompletionRequest) -> tuple[str, EngineRequest]:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = body.max_tokens
         params = sampling_params(self.client, body, max_tokens)
         try:
             prompt_ids = self.client.frontend.render_chat(
@@ -78,14 +81,14 @@ class Chat:
 
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
         rid, request = self.prepare(body)
-        (stream,) = await collect(self.client, [(request, None)])
+        (stream,) = await collect(self.client, [(request, None)], reserve(self.client, 1))
         message = AssistantMessage(stream.text)
         choice = ChatChoice(0, message, None, stream.finish_reason, stream.stop_reason)
         return ChatCompletionResponse(rid, now(), self.model_name, [choice], usage([stream]))
 
     def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
         rid, request = self.prepare(body)
-        self.client.ensure_capacity(1)
+        reservation = reserve(self.client, 1)
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -105,4 +108,4 @@ class Chat:
                 return None
             return ChatCompletionChunk(rid, created, self.model_name, [], usage(streams))
 
-        return sse_stream(self.client, [(request, None)], chunks, final)
+        return sse_stream(self.client, [(request, None)], reservation, chunks, final)

@@ -14,6 +14,7 @@ from pegainfer.server.openai_serving import (
     engine_request,
     now,
     request_id,
+    reserve,
     sampling_params,
     sse_stream,
     usage,
@@ -65,13 +66,13 @@ class Completions:
 
     async def create(self, body: CompletionRequest) -> CompletionResponse:
         rid, requests = self.prepare(body)
-        streams = await collect(self.client, requests)
+        streams = await collect(self.client, requests, reserve(self.client, len(requests)))
         choices = [_choice(i, s.text, s) for i, s in enumerate(streams)]
         return CompletionResponse(rid, now(), self.model_name, choices, usage(streams))
 
     def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
         rid, requests = self.prepare(body)
-        self.client.ensure_capacity(len(requests))
+        reservation = reserve(self.client, len(requests))
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -86,7 +87,7 @@ class Completions:
                 return None
             return CompletionResponse(rid, created, self.model_name, [], usage(streams))
 
-        return sse_stream(self.client, requests, chunks, final)
+        return sse_stream(self.client, requests, reservation, chunks, final)
 
 
 def _choice(index: int, text: str, stream: RequestStream) -> CompletionChoice:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from pegainfer.core.engine import EngineCore
 from pegainfer.core.engine_loop import EngineLoop, decode_outputs
@@ -26,6 +27,16 @@ class ServerBusyError(RuntimeError):
     """Too many requests are waiting for their first token."""
 
 
+# How long a reservation holds its slots if its requests never start (a client that left).
+_RESERVATION_TTL = 30.0
+
+
+@dataclass(eq=False)
+class Reservation:
+    slots: int
+    created: float
+
+
 class AsyncEngineClient:
     def __init__(
         self, engine: EngineCore, frontend: Frontend, metrics: Metrics, max_waiting: int
@@ -37,6 +48,7 @@ class AsyncEngineClient:
         self._event_loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._waiting: set[str] = set()
+        self._reservations: list[Reservation] = []
         self._loop = EngineLoop(engine, self._on_outputs)
         self._loop.start()
 
@@ -60,21 +72,35 @@ class AsyncEngineClient:
             if queue is not None:
                 queue.put_nowait(output)
 
-    def ensure_capacity(self, num_requests: int) -> None:
-        """Raise unless `num_requests` more can wait for their first token."""
+    def reserve(self, num_requests: int) -> Reservation:
+        """Hold `num_requests` waiting slots for requests about to start, or refuse (503).
+
+        Handlers reserve before they answer, so a refusal is a proper 503 even for a stream;
+        `generate` claims the slots. A reservation nobody claims lapses after a while.
+        """
         if not self.alive:
             raise EngineFailedError("the engine loop is not running")
-        if len(self._waiting) + num_requests > self.max_waiting:
-            raise ServerBusyError(f"{len(self._waiting)} requests are already waiting")
+        now = time.monotonic()
+        self._reservations = [r for r in self._reservations if now - r.created < _RESERVATION_TTL]
+        held = len(self._waiting) + sum(r.slots for r in self._reservations)
+        if held + num_requests > self.max_waiting:
+            raise ServerBusyError(f"{held} requests are already waiting")
+        reservation = Reservation(num_requests, now)
+        self._reservations.append(reservation)
+        return reservation
 
     async def generate(
-        self, request: EngineRequest, prompt: str | None = None
+        self, request: EngineRequest, reservation: Reservation, prompt: str | None = None
     ) -> AsyncIterator[tuple[RequestStream, StreamDelta]]:
         """Submit `request` and yield its stream state with each new delta until it finishes.
 
         Closing the iterator early (the client disconnected) aborts the request.
         """
-        self.ensure_capacity(1)
+        reservation.slots -= 1
+        if reservation.slots <= 0 and reservation in self._reservations:
+            self._reservations.remove(reservation)
+        if not self.alive:
+            raise EngineFailedError("the engine loop is not running")
         request_id = request.request_id
         stream = RequestStream(
             request_id, request.prompt_token_ids, request.params, self.frontend.tokenizer, prompt

@@ -14,7 +14,12 @@ from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.frontend import RequestStream, StreamDelta
 from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampling_params import SamplingParams
-from pegainfer.server.engine_client import AsyncEngineClient, EngineFailedError, ServerBusyError
+from pegainfer.server.engine_client import (
+    AsyncEngineClient,
+    EngineFailedError,
+    Reservation,
+    ServerBusyError,
+)
 from pegainfer.server.errors import APIError, bad_request
 from pegainfer.server.protocol import PromptTokensDetails, Usage, unsupported_fields
 
@@ -58,7 +63,10 @@ def sampling_params(
     try:
         return params.validate(client.engine.config.vocab_size)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), exc.param) from exc
+        param = exc.param
+        if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens"
+        raise bad_request(str(exc), param) from exc
 
 
 def engine_request(
@@ -85,7 +93,9 @@ def usage(streams: Sequence[RequestStream]) -> Usage:
 
 
 async def merged(
-    client: AsyncEngineClient, requests: Sequence[tuple[EngineRequest, str | None]]
+    client: AsyncEngineClient,
+    requests: Sequence[tuple[EngineRequest, str | None]],
+    reservation: Reservation,
 ) -> AsyncIterator[tuple[int, RequestStream, StreamDelta]]:
     """Stream several requests at once, tagging each delta with its request's index."""
     queue: asyncio.Queue[tuple[int, RequestStream, StreamDelta] | BaseException | None] = (
@@ -94,7 +104,7 @@ async def merged(
 
     async def pump(index: int, request: EngineRequest, prompt: str | None) -> None:
         try:
-            async for stream, delta in client.generate(request, prompt):
+            async for stream, delta in client.generate(request, reservation, prompt):
                 queue.put_nowait((index, stream, delta))
         except BaseException as exc:  # handed to the consumer, which re-raises it
             queue.put_nowait(exc)
@@ -118,23 +128,31 @@ async def merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def translate_engine_errors(exc: BaseException) -> APIError:
+def translate_engine_errors(exc: ServerBusyError | EngineFailedError) -> APIError:
     if isinstance(exc, ServerBusyError):
         return APIError(
             503, f"server busy: {exc}", code="server_busy", headers={"Retry-After": "1"}
         )
-    if isinstance(exc, EngineFailedError):
-        return APIError(500, str(exc), code="engine_error")
-    raise exc
+    return APIError(500, str(exc), code="engine_error")
+
+
+def reserve(client: AsyncEngineClient, num_requests: int) -> Reservation:
+    """Reserve waiting slots before answering, so a refusal is a 503, never a broken stream."""
+    try:
+        return client.reserve(num_requests)
+    except (ServerBusyError, EngineFailedError) as exc:
+        raise translate_engine_errors(exc) from exc
 
 
 async def collect(
-    client: AsyncEngineClient, requests: Sequence[tuple[EngineRequest, str | None]]
+    client: AsyncEngineClient,
+    requests: Sequence[tuple[EngineRequest, str | None]],
+    reservation: Reservation,
 ) -> list[RequestStream]:
     """Run requests to completion; raise the `APIError` an engine failure maps to."""
     streams: dict[int, RequestStream] = {}
     try:
-        async for index, stream, _ in merged(client, requests):
+        async for index, stream, _ in merged(client, requests, reservation):
             streams[index] = stream
     except (ServerBusyError, EngineFailedError) as exc:
         raise translate_engine_errors(exc) from exc
@@ -151,6 +169,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 async def sse_stream(
     client: AsyncEngineClient,
     requests: Sequence[tuple[EngineRequest, str | None]],
+    reservation: Reservation,
     chunks: Callable[[int, StreamDelta, bool], list[msgspec.Struct]],
     final: Callable[[list[RequestStream]], msgspec.Struct | None],
 ) -> AsyncIterator[bytes]:
@@ -160,7 +179,7 @@ async def sse_stream(
     """
     streams: dict[int, RequestStream] = {}
     try:
-        async for index, stream, delta in merged(client, requests):
+        async for index, stream, delta in merged(client, requests, reservation):
             first = index not in streams
             streams[index] = stream
             for chunk in chunks(index, delta, first):
