@@ -75,7 +75,10 @@ def submit(engine: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> 
     )  # fmt: skip
 
 
-def decode_step_time(engine: EngineCore, batch: int, context: int, steps: int) -> float:
+def decode_step_time(
+    engine: EngineCore, batch: int, context: int, steps: int, profile_dir: Path | None
+) -> tuple[float, float]:
+    """Median wall time of a full engine step, and GPU time of the step's graph replay."""
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         submit(engine, f"d{batch}-{i}", torch.randint(0, VOCAB, (context,), generator=g).tolist(),
@@ -88,8 +91,20 @@ def decode_step_time(engine: EngineCore, batch: int, context: int, steps: int) -
         start = time.perf_counter()
         engine.step()  # ends in the device-to-host copy of the sampled ids
         times.append(time.perf_counter() - start)
+    # The forward alone: replay the step's graph as last planned (GPU time, no host work).
+    graphs = engine.graphs
+    bucket = min(b for b in graphs.buckets if b >= batch)
+    replay = cuda_time(graphs._graphs[bucket].replay)
+    if profile_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        (profile_dir / f"profile_b{batch}.txt").write_text(table)
     engine.abort(list(engine.requests))
-    return statistics.median(times)
+    return statistics.median(times), replay
 
 
 def prefill_time(engine: EngineCore, tokens: int, reps: int = 3) -> float:
@@ -115,7 +130,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--prefill", default="1024,4096,16384")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--profile", default="", help="batch sizes whose steps get a kernel profile beside --out"
+    )
     args = parser.parse_args()
+    profiled = {int(b) for b in args.profile.split(",") if b}
     shape = SHAPES[args.shape]
     bandwidth, flops = copy_bandwidth(), matmul_rate()
 
@@ -140,12 +159,14 @@ def main() -> None:
     streamed = weight_bytes - embed_bytes
     decode = []
     for batch in batches:
-        step = decode_step_time(engine, batch, args.context, args.steps)
+        profile_dir = args.out.parent if batch in profiled else None
+        step, replay = decode_step_time(engine, batch, args.context, args.steps, profile_dir)
         kv = batch * (args.context + args.steps // 2) * kv_bytes_per_token
         limit = (streamed + kv) / bandwidth
         decode.append({
-            "batch": batch, "step_ms": step * 1e3, "hbm_limit_ms": limit * 1e3,
-            "fraction_of_limit": limit / step, "tokens_per_s": batch / step,
+            "batch": batch, "step_ms": step * 1e3, "forward_replay_ms": replay * 1e3,
+            "hbm_limit_ms": limit * 1e3, "fraction_of_limit": limit / step,
+            "tokens_per_s": batch / step,
         })  # fmt: skip
         print(decode[-1], flush=True)
     matmul_params = streamed - VOCAB * cfg.hidden_size * 2  # the LM head runs for one row

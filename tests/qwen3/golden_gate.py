@@ -12,7 +12,9 @@ graph buckets and cached prefixes are chosen exactly.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -90,6 +92,42 @@ class GateResult:
         assert s["p99_abs_delta"] <= P99_TOL, s
 
 
+# Random weights have no calibrated floor: a pass must be as close to transformers in float32
+# as transformers' own bf16 is, within this factor.
+FLOOR_FACTOR = 1.25
+
+
+def judge(
+    passes: dict[str, list[torch.Tensor]],
+    refs16: list[torch.Tensor],
+    refs32: list[torch.Tensor],
+    out: Path | None = None,
+) -> dict[str, dict[str, float]]:
+    """Score every pass against transformers in bf16 (the spec's gate) and in float32, write
+    the table to `out`, then assert each pass is within FLOOR_FACTOR of the floor
+    (transformers' bf16 against float32)."""
+    floor = GateResult()
+    for ref16, ref32 in zip(refs16, refs32, strict=True):
+        floor.add(ref16, ref32)
+    f = floor.summary()
+    summary = {"hf_bf16 vs hf_fp32 (floor)": f}
+    for name, logits in passes.items():
+        vs16, vs32 = GateResult(), GateResult()
+        for ours, ref16, ref32 in zip(logits, refs16, refs32, strict=False):
+            vs16.add(ours, ref16)
+            vs32.add(ours, ref32)
+        summary[f"{name} vs hf_bf16"] = vs16.summary()
+        summary[f"{name} vs hf_fp32"] = vs32.summary()
+    if out is not None:
+        out.write_text(json.dumps(summary, indent=2))
+    for name in passes:
+        s = summary[f"{name} vs hf_fp32"]
+        assert s["outside_hf_top64"] == 0, (name, s)
+        assert s["mean_abs_delta"] <= FLOOR_FACTOR * f["mean_abs_delta"], (name, s, f)
+        assert s["p99_abs_delta"] <= FLOOR_FACTOR * f["p99_abs_delta"], (name, s, f)
+    return summary
+
+
 class TeacherForcer:
     """Runs cases through the engine's model with blocks taken from its block manager."""
 
@@ -109,9 +147,12 @@ class TeacherForcer:
         )
         eng = self.engine
         if graphs and eng.graphs is not None and eng.graphs.can_run(batch):
-            return eng.graphs.run(batch).clone()
-        eng.model.prepare(batch)
-        return eng.model(batch, eng.kv_cache)
+            logits = eng.graphs.run(batch).clone()
+        else:
+            eng.model.prepare(batch)
+            logits = eng.model(batch, eng.kv_cache)
+        torch.cuda.synchronize()  # as the engine's step does when it copies the tokens out
+        return logits
 
     @torch.inference_mode()
     def run(

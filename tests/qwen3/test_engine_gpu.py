@@ -13,7 +13,7 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import EngineCore
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.models.qwen3.line import Qwen3Line
-from tests.qwen3.golden_gate import GateResult, TeacherForcer, make_cases, reference_logprobs
+from tests.qwen3.golden_gate import TeacherForcer, judge, make_cases, reference_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -62,26 +62,22 @@ def test_graph_replay_equals_eager_for_the_same_batch(small):
         engine.block_manager.release(table)
 
 
-def gate(engine: EngineCore, hf, cases, **run_args) -> GateResult:
-    result = GateResult()
-    ours = TeacherForcer(engine).run(cases, **run_args)
-    for case, logits in zip(cases, ours, strict=True):
-        result.add(logits, reference_logprobs(hf, case))
-    return result
-
-
 def test_small_golden_gate(small):
-    _, engine, hf = small
+    import transformers
+
+    path, engine, hf = small
     cases = make_cases(9, vocab=1000, max_prompt=200, decode=8, seed=0)
-    results = {
-        "batch9_graph16": gate(engine, hf, cases),
-        "batch5_graph8": gate(engine, hf, cases[:5]),
-        "prefix_hit": gate(engine, hf, cases, cached_prefix=True),
-        "eager": gate(engine, hf, cases, graphs=False),
+    hf32 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    refs16 = [reference_logprobs(hf, c) for c in cases]
+    refs32 = [reference_logprobs(hf32, c) for c in cases]
+    forcer = TeacherForcer(engine)
+    passes = {
+        "batch9_graph16": forcer.run(cases),
+        "batch5_graph8": forcer.run(cases[:5]),
+        "prefix_hit": forcer.run(cases, cached_prefix=True),
+        "eager": forcer.run(cases, graphs=False),
     }
-    for name, result in results.items():
-        print(name, result.summary())
-        result.check()
+    print(json.dumps(judge(passes, refs16, refs32), indent=2))
 
 
 def test_batch1_is_deterministic(small):
@@ -133,10 +129,6 @@ def test_golden_gate_at_qwen3_4b_shapes(real_shapes):
     hf32 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     refs32 = [reference_logprobs(hf32, c) for c in cases]
     del hf32
-    floor = GateResult()
-    for ref, ref32 in zip(refs, refs32, strict=True):
-        floor.add(ref, ref32)
-
     forcer = TeacherForcer(engine)
     passes: dict[str, list[torch.Tensor]] = {"batch1_run1": [], "batch1_run2": []}
     for case in cases:
@@ -150,23 +142,6 @@ def test_golden_gate_at_qwen3_4b_shapes(real_shapes):
         for start in range(0, len(cases) - width + 1, width):
             passes[name] += forcer.run(cases[start : start + width], cached_prefix=cached)
 
-    summary = {"hf_bf16_vs_hf_fp32 (floor)": floor.summary()}
-    against_fp32 = {}
-    for name, logits in passes.items():
-        vs16, vs32 = GateResult(), GateResult()
-        for ours, ref, ref32 in zip(logits, refs, refs32, strict=False):
-            vs16.add(ours, ref)
-            vs32.add(ours, ref32)
-        summary[f"{name} vs hf_bf16"] = vs16.summary()
-        summary[f"{name} vs hf_fp32"] = against_fp32[name] = vs32.summary()
-    out = os.environ.get("GATE_JSON")
-    if out:
-        Path(out).write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
     assert len(passes["batch1_run1"]) * 11 >= 500
-    # Random weights have no calibrated floor; we must be as close to float32 as
-    # transformers' own bf16 is (within 25%).
-    f = floor.summary()
-    for name, s in against_fp32.items():
-        assert s["mean_abs_delta"] <= 1.25 * f["mean_abs_delta"], (name, s, f)
-        assert s["p99_abs_delta"] <= 1.25 * f["p99_abs_delta"], (name, s, f)
+    out = os.environ.get("GATE_JSON")
+    print(json.dumps(judge(passes, refs, refs32, Path(out) if out else None), indent=2))

@@ -124,8 +124,17 @@ class FlashInferPagedAttention(PagedAttention):
             for bucket in graph_buckets
         }
         self._active = self._prefill
+        self._planned: torch.cuda.Event | None = None
+
+    def _await_previous_plan(self) -> None:
+        """FlashInfer's plan() stages its schedule in one pinned host buffer and copies it
+        asynchronously; planning again before that copy ran would overwrite it in flight."""
+        if self._planned is not None:
+            self._planned.synchronize()
+        self._planned = torch.cuda.Event()
 
     def plan(self, batch: ForwardBatch) -> None:
+        self._await_previous_plan()
         index = _PagedIndex.of(batch, self.device)
         qo_indptr = batch.query_start_loc_cpu.pin_memory()
         s = self.shape
@@ -143,9 +152,11 @@ class FlashInferPagedAttention(PagedAttention):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+        self._planned.record()
         self._active = self._prefill
 
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        self._await_previous_plan()
         index = _PagedIndex.of(batch, self.device)
         s = self.shape
         wrapper = self._graph_decode[bucket]
@@ -161,6 +172,7 @@ class FlashInferPagedAttention(PagedAttention):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+        self._planned.record()
         self._active = wrapper
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:

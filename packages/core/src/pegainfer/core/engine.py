@@ -25,7 +25,7 @@ from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
-from pegainfer.core.sampler import SamplingBatch, sample
+from pegainfer.core.sampler import sample_requests
 from pegainfer.core.scheduler import SchedulerConfig, SchedulerStep
 
 logger = logging.getLogger(__name__)
@@ -228,10 +228,7 @@ class EngineCore:
             self.model.prepare(batch)
             logits = self.model(batch, self.kv_cache)
         samplers = [c.request for c in step.chunks if c.samples]
-        sampling = SamplingBatch.from_requests(
-            samplers, self.config.vocab_size, self.generator, self.config.device
-        )
-        token_ids = sample(logits, sampling).tolist()
+        token_ids = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
         outputs = []
         for request in self.scheduler.update(step, token_ids):
             outputs.append(self._output(request, request.token_ids[-1:]))

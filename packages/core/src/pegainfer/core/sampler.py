@@ -95,3 +95,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise[row].exponential_(generator=generator)
     sampled = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
     return torch.where(batch.temperature > 0, sampled, greedy)
+
+
+def sample_requests(
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    vocab_size: int,
+    default_generator: torch.Generator,
+) -> list[int]:
+    """One token per request (rows of `logits` in request order), copied to the host once.
+
+    All-greedy batches without banned tokens skip building per-row parameters.
+    """
+    if all(r.params.greedy and not r.banned_token_ids() for r in requests):
+        return logits.argmax(dim=-1).tolist()
+    batch = SamplingBatch.from_requests(requests, vocab_size, default_generator, logits.device)
+    return sample(logits, batch).tolist()
