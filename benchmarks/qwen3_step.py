@@ -81,8 +81,9 @@ def decode_step_time(
     """Median wall time of a full engine step, and GPU time of the step's graph replay."""
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
+        # Enough tokens that nobody finishes while the others are still prefilling.
         submit(engine, f"d{batch}-{i}", torch.randint(0, VOCAB, (context,), generator=g).tolist(),
-               steps + 8)  # fmt: skip
+               steps + context)  # fmt: skip
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.requests.values()):
         engine.step()  # prefill (and the first decodes as prefill completes)
     engine.step()
