@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import subprocess
 import tempfile
@@ -136,6 +137,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     profiled = {int(b) for b in args.profile.split(",") if b}
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     shape = SHAPES[args.shape]
     bandwidth, flops = copy_bandwidth(), matmul_rate()
 
