@@ -124,6 +124,17 @@ def prefill_time(engine: EngineCore, tokens: int, reps: int = 3) -> float:
     return statistics.median(times[1:])
 
 
+def _git_revision() -> str | None:
+    """HEAD's hash, or None where the tree is not a git checkout (the GPU machine's copy)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True
+        )
+    except FileNotFoundError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="4b")
@@ -134,6 +145,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--profile", default="", help="batch sizes whose steps get a kernel profile beside --out"
+    )
+    parser.add_argument(
+        "--revision", default=None, help="git revision measured (default: `git rev-parse HEAD`)"
     )
     args = parser.parse_args()
     profiled = {int(b) for b in args.profile.split(",") if b}
@@ -182,9 +196,9 @@ def main() -> None:
                         "fraction_of_matmul_rate": flop / t / flops})  # fmt: skip
         print(prefill[-1], flush=True)
 
-    revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    revision = args.revision or _git_revision()
     result = {
-        "shape": args.shape, "config": shape, "revision": revision.strip() or None,
+        "shape": args.shape, "config": shape, "revision": revision,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "measured_copy_bandwidth_GBps": bandwidth / 1e9,
         "measured_bf16_matmul_TFLOPs": flops / 1e12,
