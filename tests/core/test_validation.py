@@ -60,3 +60,18 @@ def test_valid_params_pass():
 def test_bad_engine_args(field, value, message):
     with pytest.raises(ConfigError, match=message):
         EngineArgs(model="x", **{field: value}).validate()
+
+
+def test_dtype_resolution():
+    import torch
+
+    from pegainfer.core.engine import resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, cpu) is torch.float32
+    assert resolve_dtype("bfloat16", {}, cpu) is torch.bfloat16
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, cuda) is torch.bfloat16
+    assert resolve_dtype("auto", {"dtype": "float16"}, cuda) is torch.float16
+    assert resolve_dtype("auto", {}, cuda) is torch.bfloat16
+    with pytest.raises(ConfigError, match="float32 is not supported on CUDA"):
+        resolve_dtype("float32", {}, cuda)

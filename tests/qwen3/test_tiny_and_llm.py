@@ -27,7 +27,8 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(tiny) -> LLM:
-    return LLM(str(tiny), max_model_len=256, block_size=8)
+    # The CPU reference path, wherever the tests run (the GPU path has tests of its own).
+    return LLM(str(tiny), max_model_len=256, block_size=8, device="cpu")
 
 
 @pytest.mark.parametrize(("tie", "shards"), [(True, 1), (False, 3)])
@@ -55,7 +56,7 @@ def test_tiny_cli_writes_a_checkpoint(tmp_path):
         "num_hidden_layers=1",
     ]
     subprocess.run(cmd, check=True, capture_output=True)
-    llm = LLM(str(out), max_model_len=64)
+    llm = LLM(str(out), max_model_len=64, device="cpu")
     assert llm.engine.model.cfg.num_layers == 1
     assert llm.generate("hi", SamplingParams(max_tokens=3))[0].finish_reason == "length"
 
@@ -131,7 +132,7 @@ def test_eos_from_generation_config_ends_generation(llm, tiny, tmp_path):
     copy = Path(shutil.copytree(tiny, tmp_path / "ckpt"))
     config = json.loads((copy / "generation_config.json").read_text())
     (copy / "generation_config.json").write_text(json.dumps(config | {"eos_token_id": [token]}))
-    llm2 = LLM(str(copy), max_model_len=256, block_size=8)
+    llm2 = LLM(str(copy), max_model_len=256, block_size=8, device="cpu")
     stopped = llm2.generate("eos", SamplingParams(temperature=0, max_tokens=12))[0]
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", token)
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(token) + 1]

@@ -59,13 +59,19 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> torch.dtype:
-    """`auto` keeps the checkpoint's dtype on CUDA and computes in float32 on the CPU."""
+    """`auto` computes in float32 on the CPU; on CUDA it keeps a 16-bit checkpoint's dtype and
+    serves float32 checkpoints in bfloat16, since the CUDA kernels are 16-bit only."""
+    if device.type == "cpu":
+        return torch.float32 if name == "auto" else _DTYPES[name]
+    if name == "float32":
+        raise ConfigError(
+            "dtype float32 is not supported on CUDA (the attention kernels are 16-bit); "
+            "use bfloat16 or float16, or device cpu"
+        )
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    declared = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    return _DTYPES.get(str(declared), torch.bfloat16)
+    declared = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return torch.float16 if declared == "float16" else torch.bfloat16
 
 
 class EngineCore:

@@ -34,12 +34,14 @@ def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        # head_dim 64 is the smallest the CUDA attention kernels take, so the tiny model
+        # also runs on a GPU.
+        "hidden_size": 128,
+        "intermediate_size": 256,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 32,
+        "head_dim": 64,
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
