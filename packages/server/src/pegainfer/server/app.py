@@ -98,21 +98,20 @@ def build_app(state: ServerState) -> Starlette:
             )
         return parsed
 
-    async def completions(request: Request) -> Response:
+    async def generate(request: Request, kind: type, handler_type: type) -> Response:
+        """Completions and chat: parse, then stream SSE or answer once the text is complete."""
         client = state.ready_client()
-        body = await read_body(request, CompletionRequest)
-        handler = Completions(client, body.model or state.model_names[0])
+        body = await read_body(request, kind)
+        handler = handler_type(client, body.model or state.model_names[0])
         if body.stream:
             return _sse(handler.stream(body))
         return _json(await _until_disconnect(request, handler.create(body)))
 
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionRequest, Completions)
+
     async def chat_completions(request: Request) -> Response:
-        client = state.ready_client()
-        body = await read_body(request, ChatCompletionRequest)
-        handler = Chat(client, body.model or state.model_names[0])
-        if body.stream:
-            return _sse(handler.stream(body))
-        return _json(await _until_disconnect(request, handler.create(body)))
+        return await generate(request, ChatCompletionRequest, Chat)
 
     async def models(request: Request) -> Response:
         client = state.ready_client()
