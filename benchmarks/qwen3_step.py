@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pegainfer.core.engine import EngineCore
 from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampling_params import SamplingParams
 from pegainfer.models.qwen3.tiny import write_tiny_qwen3
+from pegainfer.server.bench.report import git_revision
 
 SHAPES = {
     "4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
@@ -124,17 +124,6 @@ def prefill_time(engine: EngineCore, tokens: int, reps: int = 3) -> float:
     return statistics.median(times[1:])
 
 
-def _git_revision() -> str | None:
-    """HEAD's hash, or None where the tree is not a git checkout (the GPU machine's copy)."""
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True
-        )
-    except FileNotFoundError:
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="4b")
@@ -196,7 +185,7 @@ def main() -> None:
                         "fraction_of_matmul_rate": flop / t / flops})  # fmt: skip
         print(prefill[-1], flush=True)
 
-    revision = args.revision or _git_revision()
+    revision = args.revision or git_revision()
     result = {
         "shape": args.shape, "config": shape, "revision": revision,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -1,0 +1,1 @@
+"""`pegainfer-bench`: benchmarks of pegainfer and the checkpoints they run on."""

@@ -1,0 +1,121 @@
+"""`pegainfer-bench make-checkpoint SHAPE DIR`: a random-weight Qwen3 checkpoint at a real size.
+
+Benchmarks measure what a real Qwen3-4B or -8B costs (weight bytes, KV-cache room, kernel shapes,
+tokenizer work), none of which depends on what the weights say, and the hub is not reachable
+where they run. The checkpoint has the real config, bfloat16 weights sharded as the published
+ones are, and Qwen3's real tokenizer and chat template; only the weights are random.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SHARED = {
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+}
+# config.json fields of the published checkpoints that set their shape.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-4b": {
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "tie_word_embeddings": True,
+        **_SHARED,
+    },
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "tie_word_embeddings": False,
+        **_SHARED,
+    },
+}
+VOCAB_SIZE = 151936  # embedding rows: the 151,669 tokens padded up, as in the real checkpoints
+BOS_TOKEN_ID = 151643  # <|endoftext|>
+EOS_TOKEN_ID = 151645  # <|im_end|>
+# The published Qwen3 checkpoints come in shards of at most about 4 GB.
+SHARD_BYTES = 4 * 10**9
+
+
+def checkpoint_bytes(config: dict[str, Any]) -> int:
+    """Bytes of the bfloat16 weights of a Qwen3 `config` (as the tiny writer lays them out)."""
+    h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    layer = 2 * h + 2 * h * q + 2 * h * kv + 2 * d + 3 * h * i
+    embeddings = VOCAB_SIZE * h * (1 if config["tie_word_embeddings"] else 2)
+    return 2 * (embeddings + h + config["num_hidden_layers"] * layer)
+
+
+def make_checkpoint(
+    shape: str,
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    device: str | None = None,
+    num_shards: int | None = None,
+) -> None:
+    """Write the `shape` checkpoint (a key of SHAPES) into `out_dir`.
+
+    `device` draws the weights (default: CUDA when there is one; the CPU needs about 6 bytes of
+    memory per parameter and minutes); `num_shards` defaults to the published shard count.
+    """
+    # Imported here: the model line and the tokenizer package are only needed for this command,
+    # and `pegainfer-bench` registers it without them installed.
+    from pegainfer.models.qwen3.real_tokenizer import write_qwen3_tokenizer
+    from pegainfer.models.qwen3.tiny import write_tiny_qwen3
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    config = SHAPES[shape]
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if num_shards is None:
+        num_shards = math.ceil(checkpoint_bytes(config) / SHARD_BYTES)
+    write_tiny_qwen3(
+        out_dir,
+        seed=seed,
+        num_shards=num_shards,
+        device=device,
+        torch_dtype="bfloat16",
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        **config,
+    )
+    # The tiny writer's small tokenizer (and the generation config naming its ids) is replaced.
+    write_qwen3_tokenizer(out_dir)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
+    make_checkpoint(
+        args.shape, args.out_dir, seed=args.seed, device=args.device, num_shards=args.num_shards
+    )
+    seconds = time.perf_counter() - started
+    print(f"wrote a random {args.shape} checkpoint to {args.out_dir} in {seconds:.0f} s")
+    return {"shape": args.shape, "out_dir": str(args.out_dir), "seconds": seconds}
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "make-checkpoint", help=__doc__.split("\n")[0], description=__doc__
+    )
+    parser.add_argument("shape", choices=sorted(SHAPES), help="which published checkpoint")
+    parser.add_argument("out_dir", type=Path, help="directory to write the checkpoint into")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument(
+        "--device", default=None, help="where to draw the weights (default: cuda if available)"
+    )
+    parser.add_argument(
+        "--num-shards", type=int, default=None, help="safetensors files (default: as published)"
+    )
+    parser.set_defaults(run=main)

@@ -1,0 +1,57 @@
+"""Resident memory of a process tree, from /proc (Linux), and its GPU memory, from nvidia-smi."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for task in (_PROC / str(current) / "task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            queue.extend(int(child) for child in children)
+    return found
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """Sum of VmRSS over `pids` (processes that exited meanwhile count as 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            status = (_PROC / str(pid) / "status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def gpu_bytes(pids: list[int]) -> int | None:
+    """GPU memory the processes hold, per nvidia-smi; None where there is no nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    wanted = set(pids)
+    total = 0
+    for line in out.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip().isdigit() and int(pid) in wanted:
+            total += int(used.strip()) << 20
+    return total
