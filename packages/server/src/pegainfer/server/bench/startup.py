@@ -36,9 +36,10 @@ def run_once(
     timeout_s: float,
 ) -> dict[str, Any]:
     """Start, time readiness, measure idle memory, stop. Raises if the server never gets ready."""
+    # Laid out as in a home directory, so `--cache-dir ~` means the user's own caches.
     env = os.environ | {
-        "FLASHINFER_WORKSPACE_BASE": str(cache_dir / "flashinfer"),
-        "TRITON_CACHE_DIR": str(cache_dir / "triton"),
+        "FLASHINFER_WORKSPACE_BASE": str(cache_dir),
+        "TRITON_CACHE_DIR": str(cache_dir / ".triton" / "cache"),
     }
     cmd = [sys.executable, "-m", "pegainfer.server.cli", "--model-path", model,
            "--host", "127.0.0.1", "--port", str(port), *server_args]  # fmt: skip
@@ -118,7 +119,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--settle", type=float, default=2.0, help="seconds idle before measuring")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
-        "--cache-dir", default=None, help="kernel caches for warm runs (default: a temporary one)"
+        "--cache-dir",
+        default=None,
+        help="home of the kernel caches for warm runs, e.g. ~ (default: a temporary directory)",
     )
     parser.add_argument(
         "--server-args",
