@@ -60,3 +60,50 @@ def test_abort_and_bad_request_do_not_disturb_others(loop):
     assert "top_p" in got["bad"][1]
     assert got["ok"] == (got["ok"][0], "length") and len(got["ok"][0]) == 5
     assert engine_loop.engine.block_manager.usage == 0.0
+
+
+def test_a_failing_step_ends_every_request_in_flight(hf_checkpoints):
+    """Requests running, and requests still in the inbox, all end with the failure."""
+    import asyncio
+
+    import pytest
+
+    from pegainfer.core.frontend import Frontend
+    from pegainfer.core.metrics import Metrics
+    from pegainfer.models.qwen3.line import Qwen3Line
+    from pegainfer.server.engine_client import AsyncEngineClient, EngineFailedError
+
+    engine = make_engine(hf_checkpoints(True))
+    calls = {"n": 0}
+    real_step = engine.step
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    engine.step = failing_step
+
+    async def scenario(tmp_tokenizer_dir):
+        client = AsyncEngineClient(engine, Frontend(tmp_tokenizer_dir), Metrics("m"), 100)
+        reservation = client.reserve(2)
+
+        async def consume(rid):
+            req = client.frontend.make_request(rid, [1, 2, 3], greedy(50))
+            async for _ in client.generate(req, reservation):
+                pass
+
+        results = await asyncio.wait_for(
+            asyncio.gather(consume("a"), consume("b"), return_exceptions=True), timeout=30
+        )
+        assert all(isinstance(r, EngineFailedError) for r in results), results
+        assert "device lost" in str(results[0])
+        assert not client.alive
+        with pytest.raises(EngineFailedError):
+            client.reserve(1)
+
+    tokenizer_dir = hf_checkpoints(True).parent / "tok"
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        Qwen3Line().write_tiny_checkpoint(tokenizer_dir, num_hidden_layers=1)
+    asyncio.run(scenario(tokenizer_dir))

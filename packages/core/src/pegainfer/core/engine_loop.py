@@ -69,9 +69,9 @@ class EngineLoop:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        outputs: list[RequestOutput] = []
         try:
             while True:
-                outputs: list[RequestOutput] = []
                 for message in self._receive(block=not self.engine.has_unfinished_requests):
                     if isinstance(message, Shutdown):
                         return
@@ -79,15 +79,13 @@ class EngineLoop:
                 outputs.extend(self.engine.step())
                 if outputs:
                     self._sink(_encoder.encode(EngineOutputs(outputs, self.engine.stats())))
+                    outputs = []
         except Exception as exc:
             logger.exception("engine loop failed; failing every request in flight")
             self.error = exc
-            failed = [
-                _error_output(request_id, f"engine failure: {exc}")
-                for request_id in self.engine.requests
-            ]
-            if failed:
-                self._sink(_encoder.encode(EngineOutputs(failed)))
+            # The frontend fails every request it is waiting on, sent or still in the inbox.
+            failure = EngineOutputs(outputs, engine_failed=f"engine failure: {exc}")
+            self._sink(_encoder.encode(failure))
 
     def _receive(self, block: bool) -> list[Inbound]:
         """Everything waiting in the inbox; waits for the first message when `block`."""
@@ -106,16 +104,5 @@ class EngineLoop:
         try:
             self.engine.add_request(message)
         except InvalidRequestError as exc:
-            return [_error_output(message.request_id, str(exc))]
+            return [RequestOutput.failure(message.request_id, str(exc))]
         return []
-
-
-def _error_output(request_id: str, error: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        new_token_ids=[],
-        num_prompt_tokens=0,
-        num_cached_tokens=0,
-        finish_reason="error",
-        error=error,
-    )

@@ -55,6 +55,18 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def failure(cls, request_id: str, error: str) -> RequestOutput:
+        """The last output of a request that could not be served."""
+        return cls(
+            request_id=request_id,
+            new_token_ids=[],
+            num_prompt_tokens=0,
+            num_cached_tokens=0,
+            finish_reason="error",
+            error=error,
+        )
+
 
 class EngineStats(msgspec.Struct):
     """The engine's state after a step, for metrics. Counters are cumulative."""
@@ -72,3 +84,5 @@ class EngineOutputs(msgspec.Struct):
 
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
+    # Set on the last message of a loop that failed: every request in flight has ended.
+    engine_failed: str | None = None

@@ -71,6 +71,9 @@ class AsyncEngineClient:
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
+        if batch.engine_failed is not None:
+            for request_id, queue in self._queues.items():
+                queue.put_nowait(RequestOutput.failure(request_id, batch.engine_failed))
 
     def reserve(self, num_requests: int) -> Reservation:
         """Hold `num_requests` waiting slots for requests about to start, or refuse (503).
@@ -112,6 +115,8 @@ class AsyncEngineClient:
         arrival = last = request.arrival_time
         self._loop.send(request)
         try:
+            if not self.alive:  # died before our request arrived: no output will come
+                raise EngineFailedError("the engine loop is not running")
             while not stream.finished:
                 output = await queue.get()
                 if output.finish_reason == "error":
@@ -140,5 +145,6 @@ class AsyncEngineClient:
             self._waiting.discard(request_id)
             if not stream.finished:
                 self._loop.send(AbortRequest([request_id]))
+                reason = "abort" if self.alive else "error"
                 elapsed = time.time() - arrival
-                self.metrics.record_finished("abort", len(request.prompt_token_ids), elapsed, None)
+                self.metrics.record_finished(reason, len(request.prompt_token_ids), elapsed, None)
