@@ -114,6 +114,8 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
     )[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == token
     assert stopped.token_ids == free.token_ids[: first + 1]
+    # As vLLM: the stop token is generated and counted, but its text is not output.
+    assert stopped.text == llm.tokenizer.decode(stopped.token_ids[:-1])
     # min_tokens holds the stop token back (it is masked) for the first tokens.
     held = llm.generate(
         "abc",
@@ -161,3 +163,33 @@ def test_prefix_reuse_is_reported(llm):
     llm.generate(prompt + "First?", SamplingParams(max_tokens=2))
     second = llm.generate(prompt + "Second?", SamplingParams(max_tokens=2))[0]
     assert second.num_cached_tokens >= 8 * 4
+
+
+def test_an_interrupted_generate_leaves_the_engine_clean(llm, monkeypatch):
+    real_step = llm.engine.step
+    calls = {"n": 0}
+
+    def interrupted_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["one", "two"], SamplingParams(max_tokens=8))
+    assert not llm.engine.has_unfinished_requests
+    assert llm.engine.block_manager.usage == 0.0
+    monkeypatch.setattr(llm.engine, "step", real_step)
+    assert len(llm.generate("again", SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+def test_a_separate_tokenizer_directory(tiny, tmp_path):
+    """--tokenizer / tokenizer=: the checkpoint needs no tokenizer files of its own."""
+    weights = tmp_path / "weights"
+    shutil.copytree(tiny, weights)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (weights / name).unlink()
+    llm = LLM(str(weights), tokenizer=str(tiny), max_model_len=64, device="cpu")
+    assert llm.engine.config.tokenizer_dir == tiny.resolve()
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].finish_reason == "length"

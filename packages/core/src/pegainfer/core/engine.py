@@ -39,6 +39,7 @@ class EngineConfig:
     """The arguments resolved against the model and the machine."""
 
     model_dir: Path
+    tokenizer_dir: Path
     model_config: dict[str, Any]
     line: str
     device: torch.device
@@ -78,6 +79,9 @@ class EngineCore:
     def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
         args.validate()
         model_dir = resolve_model_dir(args.model, args.revision)
+        tokenizer_dir = model_dir
+        if args.tokenizer is not None:
+            tokenizer_dir = resolve_model_dir(args.tokenizer, args.revision, "tokenizer.json")
         model_config = read_config(model_dir)
         line = detect_model_line(model_config, model_lines() if lines is None else lines)
         ignored = sorted(line.unsupported_args & args.explicit_fields())
@@ -135,6 +139,7 @@ class EngineCore:
             self.graphs.capture()
         self.config = EngineConfig(
             model_dir=model_dir,
+            tokenizer_dir=tokenizer_dir,
             model_config=model_config,
             line=line.name,
             device=device,

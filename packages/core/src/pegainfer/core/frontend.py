@@ -7,6 +7,7 @@ engine cannot see). Neither runs on the engine loop.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from pegainfer.core.generation_config import GenerationDefaults
 from pegainfer.core.messages import EngineRequest, RequestOutput
 from pegainfer.core.sampling_params import SamplingParams
 from pegainfer.core.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,7 +70,10 @@ class RequestStream:
             return StreamDelta("", [], finished=True)
         self.num_cached_tokens = output.num_cached_tokens
         self.token_ids.extend(output.new_token_ids)
-        decoded = self._detokenizer.push(output.new_token_ids)
+        text_ids = output.new_token_ids
+        if output.stop_token_id is not None:  # as vLLM: the stop token counts, its text does not
+            text_ids = text_ids[:-1]
+        decoded = self._detokenizer.push(text_ids)
         text = decoded.text
         delta = StreamDelta(text, list(output.new_token_ids))
         if decoded.finished:
@@ -91,6 +97,12 @@ class Frontend:
     def __init__(self, model_dir: Path, tokenizer_dir: Path | None = None) -> None:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir or model_dir)
         self.defaults = GenerationDefaults.from_dir(model_dir, self.tokenizer.eos_token_id)
+        if self.defaults.repetition_penalty not in (None, 1.0):
+            logger.warning(
+                "generation_config.json asks for repetition_penalty %s, which is not "
+                "implemented yet: it is not applied",
+                self.defaults.repetition_penalty,
+            )
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return self.defaults.sampling_params(**overrides)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pegainfer.core.args import EngineArgs
@@ -40,8 +39,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
-        tokenizer = engine_args.get("tokenizer")
-        self.frontend = Frontend(self.engine.config.model_dir, tokenizer and Path(tokenizer))
+        self.frontend = Frontend(self.engine.config.model_dir, self.engine.config.tokenizer_dir)
         self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
 
@@ -109,10 +107,13 @@ class LLM:
             streams[request.request_id] = RequestStream(
                 request.request_id, token_ids, request.params, self.tokenizer, prompt=text
             )
-        while self.engine.has_unfinished_requests:
-            for output in self.engine.step():
-                if streams[output.request_id].process(output).abort_engine:
-                    self.engine.abort([output.request_id])
+        try:
+            while self.engine.has_unfinished_requests:
+                for output in self.engine.step():
+                    if streams[output.request_id].process(output).abort_engine:
+                        self.engine.abort([output.request_id])
+        finally:  # interrupted (an exception, Ctrl-C): leave no request behind in the engine
+            self.engine.abort([r.request_id for r in requests])
         return [_result(streams[r.request_id]) for r in requests]
 
 

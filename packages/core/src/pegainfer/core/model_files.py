@@ -11,15 +11,19 @@ from pegainfer.core.errors import ConfigError
 _CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 
-def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """The local directory holding `model`'s files, downloading them if `model` is a repo id."""
+def resolve_model_dir(model: str, revision: str | None = None, marker: str = "config.json") -> Path:
+    """The local directory holding `model`'s files, downloading them if `model` is a repo id.
+
+    `marker` is the file that makes a directory the right kind (a checkpoint's config.json,
+    a tokenizer's tokenizer.json).
+    """
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"{path} is a directory but holds no config.json")
+        if not (path / marker).is_file():
+            raise ConfigError(f"{path} is a directory but holds no {marker}")
         return path.resolve()
     if path.exists():
-        raise ConfigError(f"{path} is a file; pass the checkpoint's directory")
+        raise ConfigError(f"{path} is a file; pass its directory")
     if model.count("/") != 1 or model.startswith(("/", ".", "~")):
         raise ConfigError(f"{model!r} is neither a local directory nor a Hugging Face repo id")
     return _download(model, revision)

@@ -138,7 +138,8 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
     exit_code = 0
     try:
         engine = await asyncio.to_thread(EngineCore, engine_args)
-        frontend = await asyncio.to_thread(Frontend, engine.config.model_dir)
+        config = engine.config
+        frontend = await asyncio.to_thread(Frontend, config.model_dir, config.tokenizer_dir)
         state.client = AsyncEngineClient(
             engine, frontend, Metrics(names[0]), server["max_waiting_requests"]
         )
