@@ -110,6 +110,38 @@ BAD_REQUESTS = {
     "unknown-model-chat": (CHAT, chat(model="gpt-4"), 404, "model", "gpt-4"),
     "logprobs-completions": (COMPLETIONS, completion(logprobs=1), 400, "logprobs", "logprobs"),
     "logprobs-chat": (CHAT, chat(logprobs=True, top_logprobs=2), 400, "logprobs", "logprobs"),
+    # 0 == False, but `logprobs: 0` asks for the sampled tokens' logprobs.
+    "logprobs-zero": (COMPLETIONS, completion(logprobs=0), 400, "logprobs", "logprobs"),
+    "continuous-usage": (
+        COMPLETIONS,
+        completion(stream=True, stream_options={"continuous_usage_stats": True}),
+        400,
+        "stream_options.continuous_usage_stats",
+        None,
+    ),
+    "tool-calls-in-history": (
+        CHAT,
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": "1",
+                            "type": "function",
+                            "function": {"name": "w", "arguments": "{}"},
+                        }
+                    ],
+                },
+            ],
+            "max_tokens": 4,
+        },
+        400,
+        "messages",
+        "tool calls",
+    ),
     "n-2": (COMPLETIONS, completion(n=2), 400, "n", None),
     "n-2-chat-stream": (CHAT, chat(n=2, stream=True), 400, "n", None),
     "best-of-2": (COMPLETIONS, completion(best_of=2), 400, "best_of", "best_of"),

@@ -49,7 +49,14 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if any(isinstance(part, ImagePart) for part in content):
                 raise bad_request("this model accepts text only, not images", "messages")
             content = "".join(part.text for part in content)  # type: ignore[union-attr]
+        if message.tool_calls or message.tool_call_id is not None:
+            raise bad_request(
+                f"messages[{i}]: tool calls in the conversation are not supported yet",
+                "messages",
+            )
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
         if message.reasoning_content is not None:
             entry["reasoning_content"] = message.reasoning_content
         rendered.append(entry)

@@ -54,7 +54,10 @@ def sampling_params(
     stop = request.stop
     explicit |= {
         "stop": [stop] if isinstance(stop, str) else list(stop or []),
-        "max_tokens": max_tokens,
+        # Unset: the checkpoint's max_new_tokens, else until the context is full.
+        "max_tokens": max_tokens
+        if max_tokens is not None
+        else client.frontend.defaults.max_new_tokens,
         "min_tokens": request.min_tokens,
         "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens,

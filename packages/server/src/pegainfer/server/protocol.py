@@ -86,16 +86,24 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
+    # Types must match too: `logprobs: 0` asks for logprobs although 0 == False.
+    return any(type(value) is type(off) and value == off for off in offs)
+
+
 def unsupported_fields(request: msgspec.Struct) -> list[str]:
     """Fields of `request` set to a value we cannot honour yet."""
     found = [
         name
-        for name, off in _NOT_YET.items()
-        if hasattr(request, name) and getattr(request, name) not in off
+        for name, offs in _NOT_YET.items()
+        if hasattr(request, name) and not _is_off(getattr(request, name), offs)
     ]
     response_format = getattr(request, "response_format", None)
     if response_format is not None and response_format.get("type", "text") != "text":
         found.append("response_format")
+    stream_options = getattr(request, "stream_options", None)
+    if stream_options is not None and stream_options.continuous_usage_stats:
+        found.append("stream_options.continuous_usage_stats")
     return found
 
 
