@@ -171,8 +171,9 @@ class EngineCore:
             self.model,
             specs,
             args.block_size,
-            min(args.max_num_batched_tokens, max_model_len),
+            args.max_num_batched_tokens,
             args.max_num_seqs,
+            max_model_len,
             device,
         )
         return plan_gpu_kv(specs, args.gpu_memory_utilization, peak, device).num_blocks

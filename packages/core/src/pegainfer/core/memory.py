@@ -48,29 +48,41 @@ def profile_step_peak(
     block_size: int,
     num_tokens: int,
     num_seqs: int,
+    max_model_len: int,
     device: torch.device,
 ) -> int:
-    """Bytes a worst-case step allocates beyond what is resident (weights, buffers)."""
+    """Bytes the largest step allocates beyond what is resident (weights, buffers).
+
+    The step fills the token budget (which sets the activations) with as many sequences as a
+    step may hold, each no longer than `max_model_len`, every one sampling (which sets the
+    logits and the sampler's buffers).
+    """
+    seqs = max(min(num_seqs, num_tokens), -(-num_tokens // max_model_len))
+    base, extra = divmod(num_tokens, seqs)
+    lengths = [base + 1] * extra + [base] * (seqs - extra)
+    tables, pages = [], 0
+    for length in lengths:
+        count = -(-length // block_size)
+        tables.append(list(range(pages, pages + count)))
+        pages += count
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device)
-    pages = -(-num_tokens // block_size)
     scratch = KVCache(specs, pages, device)
     batch = ForwardBatch.build(
-        [[0] * num_tokens], [0], [list(range(pages))], [True], block_size, device
+        [[0] * n for n in lengths], [0] * seqs, tables, [True] * seqs, block_size, device
     )
     with torch.inference_mode():
         model.prepare(batch)
-        model(batch, scratch)
-        logits = torch.randn(num_seqs, model.vocab_size, device=device)
+        logits = model(batch, scratch)
         probe = SamplingBatch(
-            temperature=torch.ones(num_seqs),
-            top_k=torch.full((num_seqs,), 20),
-            top_p=torch.full((num_seqs,), 0.9),
-            min_p=torch.full((num_seqs,), 0.05),
-            generators=[torch.Generator(device)] * num_seqs,
-            banned=[frozenset()] * num_seqs,
+            temperature=torch.ones(seqs),
+            top_k=torch.full((seqs,), 20),
+            top_p=torch.full((seqs,), 0.9),
+            min_p=torch.full((seqs,), 0.05),
+            generators=[torch.Generator(device)] * seqs,
+            banned=[frozenset()] * seqs,
         ).to(device)
         sample(logits, probe)
     torch.cuda.synchronize(device)
