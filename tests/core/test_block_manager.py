@@ -205,19 +205,6 @@ def test_acquiring_an_uncached_free_block_raises() -> None:
         bm.acquire([0])
 
 
-def test_reset_prefix_cache() -> None:
-    bm = BlockManager(num_blocks=4, block_size=2)
-    tokens = [1, 2, 3, 4, 5]
-    blocks = run_request(bm, tokens)
-    assert bm.reset_prefix_cache() is False  # refused while blocks are in use
-    assert len(bm.match_prefix(hashes_of(bm, tokens), 2)) == 2
-    bm.release(blocks)
-    assert bm.reset_prefix_cache() is True
-    assert bm.match_prefix(hashes_of(bm, tokens), 2) == []
-    assert bm.num_free_blocks == 4
-    bm.check_invariants()
-
-
 def test_invalid_sizes_are_rejected() -> None:
     with pytest.raises(ValueError):
         BlockManager(num_blocks=0, block_size=16)
@@ -396,13 +383,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def release(self, owner_id: int) -> None:
         self.bm.release(self.owners.pop(owner_id).blocks)
-
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        done = self.bm.reset_prefix_cache()
-        assert done == (not self.referenced())
-        if done:
-            self.cache.clear()
 
     # -- invariants ---------------------------------------------------------------------------
 

@@ -32,7 +32,6 @@ def write(directory: Path, config: object) -> Path:
 def test_defaults_are_applied(tmp_path: Path) -> None:
     defaults = GenerationDefaults.from_dir(write(tmp_path, QWEN3))
     assert defaults.eos_token_ids == (151645, 151643)
-    assert defaults.bos_token_id == 151643
     params = defaults.sampling_params()
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 20)
     # Fields the file does not set keep SamplingParams' own defaults.

@@ -179,20 +179,6 @@ class BlockManager:
             self._hash_to_block[block_hash] = block_id
             self._block_to_hash[block_id] = block_hash
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash (e.g. when new weights make cached KV stale); True if done.
-
-        Refused (False, nothing changed) while any block is in use, as in vLLM: the hashes of
-        blocks in use would survive, and a half-reset cache could still serve stale KV.
-        """
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        self._hash_to_block.clear()
-        self._block_to_hash.clear()
-        return True
-
     def check_invariants(self) -> None:
         """Raise AssertionError if the internal state is inconsistent. For tests; O(num_blocks)."""
         free, evictable = set(self._free), set(self._evictable)

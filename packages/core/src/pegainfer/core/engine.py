@@ -282,7 +282,6 @@ class EngineCore:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
-            num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             finish_reason=request.finish_reason,
             stop_token_id=request.stop_token_id,

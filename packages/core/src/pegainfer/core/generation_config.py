@@ -26,7 +26,6 @@ class GenerationDefaults:
     """
 
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
     do_sample: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -66,7 +65,6 @@ class GenerationDefaults:
             raise ConfigError(f"do_sample in {file} must be true or false, got {do_sample!r}")
         return cls(
             eos_token_ids=tuple(eos_ids),
-            bos_token_id=number("bos_token_id", int),
             do_sample=do_sample,
             temperature=number("temperature", float),
             top_p=number("top_p", float),

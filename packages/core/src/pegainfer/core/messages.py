@@ -43,7 +43,6 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     request_id: str
     new_token_ids: list[int]
-    num_prompt_tokens: int
     num_cached_tokens: int
     finish_reason: str | None = None
     stop_token_id: int | None = None
@@ -61,7 +60,6 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
         return cls(
             request_id=request_id,
             new_token_ids=[],
-            num_prompt_tokens=0,
             num_cached_tokens=0,
             finish_reason="error",
             error=error,

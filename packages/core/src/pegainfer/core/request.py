@@ -53,10 +53,6 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

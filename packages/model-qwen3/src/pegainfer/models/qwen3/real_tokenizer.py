@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import normalizers
 
-from pegainfer.core.tiktoken_bpe import convert_tiktoken_bpe
+from pegainfer.models.qwen3.tiktoken_bpe import convert_tiktoken_bpe
 
 # Qwen2/Qwen3's pre-tokenization regex: as tiktoken's cl100k, but digits split one by one.
 SPLIT_PATTERN = (

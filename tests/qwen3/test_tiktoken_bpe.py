@@ -18,7 +18,6 @@ import pytest
 import transformers
 from tokenizers import normalizers
 
-from pegainfer.core.tiktoken_bpe import convert_tiktoken_bpe, read_tiktoken_ranks
 from pegainfer.core.tokenizer import Tokenizer
 from pegainfer.models.qwen3.real_tokenizer import (
     ADDED_TOKENS,
@@ -26,6 +25,7 @@ from pegainfer.models.qwen3.real_tokenizer import (
     SPLIT_PATTERN,
     write_qwen3_tokenizer,
 )
+from pegainfer.models.qwen3.tiktoken_bpe import convert_tiktoken_bpe, read_tiktoken_ranks
 
 tiktoken = pytest.importorskip("tiktoken")
 
