@@ -158,6 +158,32 @@ def write_tiny_tokenizer(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"))
+    write_tokenizer_config(
+        out_dir,
+        tokenizer,
+        special_tokens=special_tokens,
+        added_tokens=added_tokens,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        chat_template=chat_template,
+    )
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def write_tokenizer_config(
+    out_dir: Path,
+    tokenizer: Tokenizer,
+    *,
+    special_tokens: Sequence[str],
+    added_tokens: Sequence[str],
+    eos_token: str,
+    pad_token: str | None,
+    chat_template: str,
+) -> None:
+    """Write a Qwen-style `tokenizer_config.json` that transformers' AutoTokenizer loads offline.
+
+    transformers 5 needs `added_tokens_decoder` to load a `Qwen2Tokenizer` from the directory.
+    """
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": {
@@ -171,6 +197,7 @@ def write_tiny_tokenizer(
             }
             for t in (*special_tokens, *added_tokens)
         },
+        "additional_special_tokens": [t for t in special_tokens if t != pad_token],
         "bos_token": None,
         "eos_token": eos_token,
         "pad_token": pad_token,
@@ -186,4 +213,3 @@ def write_tiny_tokenizer(
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    return tokenizer.get_vocab_size(with_added_tokens=True)

@@ -10,13 +10,14 @@ checkpoint, which encode as the published ones do.
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 
 from tokenizers import normalizers
 
+from pegainfer.core.tiny_tokenizer import write_tokenizer_config
 from pegainfer.models.qwen3.tiktoken_bpe import convert_tiktoken_bpe
+from pegainfer.models.qwen3.tiny import write_generation_config
 
 # Qwen2/Qwen3's pre-tokenization regex: as tiktoken's cl100k, but digits split one by one.
 SPLIT_PATTERN = (
@@ -93,42 +94,13 @@ def write_qwen3_tokenizer(out_dir: Path) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
     template = resources.files("pegainfer.models.qwen3").joinpath("chat_template.jinja")
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "added_tokens_decoder": {
-            str(token_id): {
-                "content": token,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": token in SPECIAL_TOKENS,
-            }
-            for token, token_id in (SPECIAL_TOKENS | ADDED_TOKENS).items()
-        },
-        "additional_special_tokens": _SPECIAL[1:],
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "model_max_length": 131072,
-        "split_special_tokens": False,
-        "chat_template": template.read_text(encoding="utf-8"),
-    }
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    write_tokenizer_config(
+        out_dir,
+        tokenizer,
+        special_tokens=list(SPECIAL_TOKENS),
+        added_tokens=list(ADDED_TOKENS),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=template.read_text(encoding="utf-8"),
     )
-    generation = {
-        "bos_token_id": ENDOFTEXT_ID,
-        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
-        "pad_token_id": ENDOFTEXT_ID,
-        "do_sample": True,
-        "temperature": 0.6,
-        "top_p": 0.95,
-        "top_k": 20,
-    }
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_generation_config(out_dir, endoftext=ENDOFTEXT_ID, im_end=IM_END_ID)

@@ -124,6 +124,12 @@ def write_tiny_qwen3(
     tensors = {n: t.to(dtype).cpu().contiguous() for n, t in tensors.items()}
     save_sharded(tensors, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    write_generation_config(out_dir, endoftext=endoftext, im_end=im_end)
+
+
+def write_generation_config(out_dir: Path, *, endoftext: int, im_end: int) -> None:
+    """Qwen3's generation_config.json: stop on <|im_end|> or <|endoftext|>, sample as Qwen
+    recommends for thinking mode."""
     generation = {
         "bos_token_id": endoftext,
         "eos_token_id": [im_end, endoftext],
@@ -133,4 +139,4 @@ def write_tiny_qwen3(
         "top_p": 0.95,
         "top_k": 20,
     }
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

@@ -24,7 +24,7 @@ from pegainfer.server.bench.report import (
     block,
     markdown_table,
     print_failures,
-    run_metadata,
+    start_run,
     write_json,
 )
 from pegainfer.server.bench.stats import latency_summary, mean, token_totals
@@ -94,13 +94,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     async with BenchClient(args.base_url, args.api_key) as client:
-        generation = Generation(
-            args.model or await client.first_model(),
-            args.output_len,
-            args.ignore_eos,
-            args.temperature,
-        )
-        metadata = run_metadata(await client.server_version())
+        generation, metadata = await start_run(client, args, args.output_len)
         user_turns = await _user_turns(await RandomTokens.create(client), args)
         turns: list[Turn] = []
 

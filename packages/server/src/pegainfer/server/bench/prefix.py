@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from pegainfer.server.bench import report, stats
-from pegainfer.server.bench.client import BenchClient, Generation
+from pegainfer.server.bench.client import BenchClient
 from pegainfer.server.bench.datasets import RandomTokens
 from pegainfer.server.bench.options import add_common_args, positive_int
 
@@ -22,9 +22,8 @@ _DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192,16384"
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     async with BenchClient(args.base_url, args.api_key) as client:
-        model = args.model or await client.first_model()
+        generation, metadata = await report.start_run(client, args, max_tokens=1)
         tokens = await RandomTokens.create(client)
-        generation = Generation(model, 1, args.ignore_eos, args.temperature)
         rows = []
         for length in args.lengths:
             prompt = tokens.ids(length, f"{args.seed}:prefix:{length}")
@@ -44,9 +43,9 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             report.print_failures(f"prefix {length}", [cold, *warm])
         result = {
             "benchmark": "prefix",
-            **report.run_metadata(await client.server_version()),
+            **metadata,
             "base_url": args.base_url,
-            "model_id": model,
+            "model_id": generation.model,
             "warm_runs": args.warm_runs,
             "seed": args.seed,
             "rows": rows,

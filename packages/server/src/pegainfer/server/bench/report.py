@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import subprocess
@@ -11,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pegainfer.server.bench.client import RequestResult
+from pegainfer.server.bench.client import BenchClient, Generation, RequestResult
 
 _WIDTH = 50
 _LATENCY_SECTIONS = (
@@ -45,6 +46,17 @@ def run_metadata(server_version: str | None) -> dict[str, Any]:
         "revision": git_revision(),
         "server_version": server_version,
     }
+
+
+async def start_run(
+    client: BenchClient, args: argparse.Namespace, max_tokens: int
+) -> tuple[Generation, dict[str, Any]]:
+    """What every run begins with: request settings from the common options (the model
+    defaulting to the server's first) and the run's metadata."""
+    generation = Generation(
+        args.model or await client.first_model(), max_tokens, args.ignore_eos, args.temperature
+    )
+    return generation, run_metadata(await client.server_version())
 
 
 def write_json(path: str | Path, result: Mapping[str, Any]) -> None:

@@ -31,7 +31,7 @@ from pegainfer.server.bench.report import (
     plot_sweep,
     print_failures,
     rate_label,
-    run_metadata,
+    start_run,
     write_json,
 )
 from pegainfer.server.bench.stats import (
@@ -135,13 +135,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     async with BenchClient(args.base_url, args.api_key) as client:
-        generation = Generation(
-            args.model or await client.first_model(),
-            args.output_len,
-            args.ignore_eos,
-            args.temperature,
-        )
-        metadata = run_metadata(await client.server_version())
+        generation, metadata = await start_run(client, args, args.output_len)
         tokens = await RandomTokens.create(client)
         if args.sweep is None:
             result = await _run(client, tokens, generation, args, args.request_rate, args.seed)
