@@ -193,3 +193,18 @@ def test_a_separate_tokenizer_directory(tiny, tmp_path):
     llm = LLM(str(weights), tokenizer=str(tiny), max_model_len=64, device="cpu")
     assert llm.engine.config.tokenizer_dir == tiny.resolve()
     assert llm.generate("hi", SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+
+def test_the_serving_path_imports_neither_transformers_nor_sympy(tiny):
+    """transformers is a test dependency only; sympy (pulled in by torch's reference ops, e.g.
+    `Module.to_empty`) costs seconds of start-up and tens of MB resident."""
+    code = (
+        "import sys\n"
+        "from pegainfer import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny)!r}, device='cpu', max_model_len=64)\n"
+        "llm.generate('hi', SamplingParams(max_tokens=2))\n"
+        "import pegainfer.server.app\n"
+        "print(sorted(m for m in ('transformers', 'sympy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -35,6 +35,19 @@ class WeightTarget:
 NameMap = Callable[[str], WeightTarget | None]
 
 
+def allocate_parameters(module: torch.nn.Module, device: torch.device) -> None:
+    """Give a module built on the meta device uninitialised storage on `device`, in place.
+
+    `Module.to_empty` does the same but goes through torch's reference ops, which import
+    sympy: seconds of start-up and tens of MB resident for nothing.
+    """
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                storage = torch.empty(param.shape, dtype=param.dtype, device=device)
+                sub._parameters[name] = torch.nn.Parameter(storage, requires_grad=False)
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint, from its index when it is sharded."""
     index = model_dir / INDEX_FILE

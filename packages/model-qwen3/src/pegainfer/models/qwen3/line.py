@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
-from pegainfer.core.weights import load_weights
+from pegainfer.core.weights import allocate_parameters, load_weights
 from pegainfer.models.qwen3.config import Qwen3Config
 
 
@@ -27,7 +27,7 @@ class Qwen3Line(ModelLine):
         cfg = Qwen3Config.from_dict(ctx.config)
         with torch.device("meta"):
             model = Qwen3ForCausalLM(cfg).to(ctx.dtype)
-        model = model.to_empty(device=ctx.device)
+        allocate_parameters(model, ctx.device)
         load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map)
         return model
 
