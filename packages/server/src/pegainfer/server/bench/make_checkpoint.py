@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from pegainfer.server.bench.options import subcommand
+
 _SHARED = {
     "num_hidden_layers": 36,
     "num_attention_heads": 32,
@@ -122,9 +124,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "make-checkpoint", help=__doc__.split("\n")[0], description=__doc__
-    )
+    parser = subcommand(subparsers, "make-checkpoint", __doc__)
     parser.add_argument("shape", choices=sorted(SHAPES), help="which published checkpoint")
     parser.add_argument("out_dir", type=Path, help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")

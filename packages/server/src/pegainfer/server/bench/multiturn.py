@@ -19,7 +19,7 @@ from typing import Any
 
 from pegainfer.server.bench.client import BenchClient, Generation, RequestResult
 from pegainfer.server.bench.datasets import RandomTokens
-from pegainfer.server.bench.options import add_common_args, positive_int
+from pegainfer.server.bench.options import add_common_args, positive_int, subcommand
 from pegainfer.server.bench.report import (
     block,
     markdown_table,
@@ -52,12 +52,7 @@ class Turn:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "multiturn",
-        help=__doc__.split("\n")[0],
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = subcommand(subparsers, "multiturn", __doc__)
     add_common_args(parser)
     load = parser.add_argument_group("conversations")
     load.add_argument("--conversations", type=positive_int, default=20, help="in all (default: 20)")

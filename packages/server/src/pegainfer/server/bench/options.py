@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
+
+
+def subcommand(subparsers: Any, name: str, doc: str) -> argparse.ArgumentParser:
+    """A `pegainfer-bench` subcommand whose help is its module docstring's first line."""
+    return subparsers.add_parser(
+        name,
+        help=doc.split("\n")[0],
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def positive_int(text: str) -> int:

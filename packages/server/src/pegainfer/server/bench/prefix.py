@@ -15,7 +15,7 @@ from typing import Any
 from pegainfer.server.bench import report, stats
 from pegainfer.server.bench.client import BenchClient
 from pegainfer.server.bench.datasets import RandomTokens
-from pegainfer.server.bench.options import add_common_args, positive_int
+from pegainfer.server.bench.options import add_common_args, positive_int, subcommand
 
 _DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192,16384"
 
@@ -67,12 +67,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "prefix",
-        help=__doc__.split("\n")[0],
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = subcommand(subparsers, "prefix", __doc__)
     add_common_args(parser)
     parser.add_argument(
         "--lengths",

@@ -24,7 +24,13 @@ from typing import Any
 
 from pegainfer.server.bench.client import BenchClient, Generation, RequestResult
 from pegainfer.server.bench.datasets import RandomTokens
-from pegainfer.server.bench.options import add_common_args, non_negative_int, positive_int, rate
+from pegainfer.server.bench.options import (
+    add_common_args,
+    non_negative_int,
+    positive_int,
+    rate,
+    subcommand,
+)
 from pegainfer.server.bench.report import (
     block,
     markdown_table,
@@ -63,12 +69,7 @@ def sweep_rates(text: str) -> list[float]:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help=__doc__.split("\n")[0],
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = subcommand(subparsers, "serve", __doc__)
     add_common_args(parser)
     load = parser.add_argument_group("load")
     load.add_argument(

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from pegainfer.server.bench import report
+from pegainfer.server.bench.options import subcommand
 from pegainfer.server.bench.process_tree import descendants, gpu_bytes, rss_bytes
 
 _POLL_S = 0.02
@@ -111,7 +112,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("startup", help=__doc__.split("\n")[0], description=__doc__)
+    parser = subcommand(subparsers, "startup", __doc__)
     parser.add_argument("--model-path", required=True, help="checkpoint to serve")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--cold-runs", type=int, default=1)
