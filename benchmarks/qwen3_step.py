@@ -12,8 +12,11 @@ of T tokens in one step, against the bf16 matmul rate measured here.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import logging
+import pstats
 import statistics
 import tempfile
 import time
@@ -105,6 +108,15 @@ def decode_step_time(
                 engine.step()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
         (profile_dir / f"profile_b{batch}.txt").write_text(table)
+        # Where the host's share of a step goes (Python-level, 20 steps).
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(20):
+            engine.step()
+        host.disable()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+        (profile_dir / f"host_profile_b{batch}.txt").write_text(text.getvalue())
     engine.abort(list(engine.requests))
     return statistics.median(times), replay
 

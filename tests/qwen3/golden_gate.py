@@ -25,6 +25,41 @@ REGRET_TOL, MEAN_TOL, P99_TOL = 0.20, 0.06, 0.20
 HEAD_K, HF_TOP = 8, 64
 
 
+def write_gate_checkpoint(path: Path, config: dict, layer_out: float, seed: int = 0) -> None:
+    """A random `Qwen3ForCausalLM` saved by transformers (bf16), shaped for the gate.
+
+    transformers' own init (std 0.02) makes a chaotic network at real depth: its bf16 forward
+    drifts from its float32 one by 0.25 nat on average at Qwen3-4B shapes, four times the
+    gate's tolerance, and its next-token distributions are flat over the whole vocabulary.
+    Three changes give peaked distributions that bf16 barely moves (measured on CPU at 4B
+    shapes: top-1 probability ~0.9, transformers' bf16 within ~0.02 nat of its float32):
+    - gate/up weights halved: the MLP's gain is what amplifies rounding through the layers;
+    - embedding std 1/sqrt(hidden): the bulk of the logits spreads by ~1 nat;
+    - o/down weights scaled by `layer_out`, so each token's own embedding keeps a share of
+      the residual stream and its logit stands well above the bulk (the tied LM head).
+    Norm weights are 1 + N(0, 0.1) so that a missing or misplaced norm shows.
+    """
+    import transformers
+
+    cfg = transformers.Qwen3Config(
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=True, initializer_range=0.02, dtype="bfloat16", **config,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        hf = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+                param.mul_(0.5)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(layer_out)
+        hf.model.embed_tokens.weight.normal_(0, cfg.hidden_size**-0.5)
+    hf.save_pretrained(path)
+
+
 @dataclass
 class Case:
     prompt: list[int]
@@ -84,17 +119,12 @@ class GateResult:
             "max_abs_delta": deltas.max().item(),
         }
 
-    def check(self) -> None:
+    def check(self, label: str) -> None:
         s = self.summary()
-        assert s["max_regret"] <= REGRET_TOL, s
-        assert s["outside_hf_top64"] == 0, s
-        assert s["mean_abs_delta"] <= MEAN_TOL, s
-        assert s["p99_abs_delta"] <= P99_TOL, s
-
-
-# Random weights have no calibrated floor: a pass must be as close to transformers in float32
-# as transformers' own bf16 is, within this factor.
-FLOOR_FACTOR = 1.25
+        assert s["max_regret"] <= REGRET_TOL, (label, s)
+        assert s["outside_hf_top64"] == 0, (label, s)
+        assert s["mean_abs_delta"] <= MEAN_TOL, (label, s)
+        assert s["p99_abs_delta"] <= P99_TOL, (label, s)
 
 
 def judge(
@@ -103,14 +133,14 @@ def judge(
     refs32: list[torch.Tensor],
     out: Path | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Score every pass against transformers in bf16 (the spec's gate) and in float32, write
-    the table to `out`, then assert each pass is within FLOOR_FACTOR of the floor
-    (transformers' bf16 against float32)."""
+    """Score every pass against transformers in bf16 (the gate) and in float32, beside the
+    floor (transformers' bf16 against its float32); write the table to `out`, then check every
+    pass against bf16 at the gate's tolerances."""
     floor = GateResult()
     for ref16, ref32 in zip(refs16, refs32, strict=True):
         floor.add(ref16, ref32)
-    f = floor.summary()
-    summary = {"hf_bf16 vs hf_fp32 (floor)": f}
+    summary = {"hf_bf16 vs hf_fp32 (floor)": floor.summary()}
+    gates = {}
     for name, logits in passes.items():
         vs16, vs32 = GateResult(), GateResult()
         for ours, ref16, ref32 in zip(logits, refs16, refs32, strict=False):
@@ -118,13 +148,11 @@ def judge(
             vs32.add(ours, ref32)
         summary[f"{name} vs hf_bf16"] = vs16.summary()
         summary[f"{name} vs hf_fp32"] = vs32.summary()
+        gates[name] = vs16
     if out is not None:
         out.write_text(json.dumps(summary, indent=2))
-    for name in passes:
-        s = summary[f"{name} vs hf_fp32"]
-        assert s["outside_hf_top64"] == 0, (name, s)
-        assert s["mean_abs_delta"] <= FLOOR_FACTOR * f["mean_abs_delta"], (name, s, f)
-        assert s["p99_abs_delta"] <= FLOOR_FACTOR * f["p99_abs_delta"], (name, s, f)
+    for name, gate in gates.items():
+        gate.check(name)
     return summary
 
 

@@ -12,15 +12,25 @@ import torch
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import EngineCore
 from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.models.qwen3.line import Qwen3Line
-from tests.qwen3.golden_gate import TeacherForcer, judge, make_cases, reference_logprobs
+from tests.qwen3.golden_gate import (
+    TeacherForcer,
+    judge,
+    make_cases,
+    reference_logprobs,
+    write_gate_checkpoint,
+)
 
 pytestmark = pytest.mark.gpu
 
 # Real head geometry (head_dim 128, GQA group 4) at a small width and depth.
-SMALL = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
-         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-         "torch_dtype": "bfloat16"}  # fmt: skip
+SMALL = {"vocab_size": 1000, "hidden_size": 512, "intermediate_size": 1024,
+         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "head_dim": 128, "max_position_embeddings": 4096}  # fmt: skip
+QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "max_position_embeddings": 40960}  # fmt: skip
+# The share of the residual the layers write (write_gate_checkpoint): peaked distributions.
+SMALL_LAYER_OUT, QWEN3_4B_LAYER_OUT = 0.25, 0.01
 
 
 def gpu_engine(path: Path, **overrides) -> EngineCore:
@@ -34,7 +44,7 @@ def small(tmp_path_factory):
     import transformers
 
     path = tmp_path_factory.mktemp("qwen3-small-gpu")
-    Qwen3Line().write_tiny_checkpoint(path, seed=11, **SMALL)
+    write_gate_checkpoint(path, SMALL, SMALL_LAYER_OUT, seed=11)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     return path, gpu_engine(path), hf
 
@@ -93,26 +103,9 @@ def real_shapes(tmp_path_factory):
     import transformers
 
     path = Path(os.environ.get("QWEN3_GATE_DIR") or tmp_path_factory.mktemp("qwen3-4b"))
-    config = transformers.Qwen3Config(
-        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=True, initializer_range=0.02, dtype="bfloat16",
-    )  # fmt: skip
     if not (path / "config.json").exists():
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            hf = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
-        with torch.no_grad():
-            for name, param in hf.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.copy_(1 + 0.1 * torch.randn_like(param))
-            # Peaked next-token distributions: logits with a spread of a few nats.
-            hf.model.embed_tokens.weight.normal_(0, 4.0 / config.hidden_size**0.5)
-        hf.save_pretrained(path)
-        (path / "gate.json").write_text(json.dumps({"seed": 0}))
-    else:
-        hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+        write_gate_checkpoint(path, QWEN3_4B, QWEN3_4B_LAYER_OUT, seed=0)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     return path, hf.eval()
 
 
