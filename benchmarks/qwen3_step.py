@@ -79,15 +79,20 @@ def submit(engine: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> 
     )  # fmt: skip
 
 
+def decode_budget(batch: int, steps: int) -> int:
+    """Tokens a decode request may generate: the measured and profiled steps, plus the steps
+    it may decode while the others still prefill (at most one per other request)."""
+    return steps + 32 + batch
+
+
 def decode_step_time(
     engine: EngineCore, batch: int, context: int, steps: int, profile_dir: Path | None
 ) -> tuple[float, float]:
     """Median wall time of a full engine step, and GPU time of the step's graph replay."""
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
-        # Enough tokens that nobody finishes while the others are still prefilling.
-        submit(engine, f"d{batch}-{i}", torch.randint(0, VOCAB, (context,), generator=g).tolist(),
-               steps + context)  # fmt: skip
+        prompt = torch.randint(0, VOCAB, (context,), generator=g).tolist()
+        submit(engine, f"d{batch}-{i}", prompt, decode_budget(batch, steps))
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.requests.values()):
         engine.step()  # prefill (and the first decodes as prefill completes)
     engine.step()
@@ -164,7 +169,9 @@ def main() -> None:
         started = time.perf_counter()
         engine = EngineCore(EngineArgs(
             model=tmp, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-            max_model_len=max(prefills) + 64, max_num_batched_tokens=max(prefills),
+            max_model_len=max(max(prefills), args.context + decode_budget(max(batches), args.steps))
+            + 64,
+            max_num_batched_tokens=max(prefills),
             enable_prefix_caching=False,
         ))  # fmt: skip
         load_s = time.perf_counter() - started

@@ -44,19 +44,3 @@ def test_silu_and_mul(dtype, tokens, width):
     x = torch.randn(tokens, 2 * width, device="cuda", dtype=dtype, generator=g)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert rel_err(silu_and_mul(x), ref_silu_and_mul(x)) < tol
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
-@pytest.mark.parametrize(("n", "k"), [(6144, 2560), (2560, 9728), (19456, 2560), (100, 200)])
-def test_skinny_gemm(rows, n, k):
-    from pegainfer.core.kernels.skinny_gemm import skinny_gemm
-
-    g = torch.Generator("cuda").manual_seed(rows * n + k)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
-    out = skinny_gemm(x, w)
-    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-    assert rel_err(out, torch.nn.functional.linear(x.float(), w.float())) < 1e-2
-    # A row's result does not depend on the rows beside it, nor on the run.
-    assert torch.equal(skinny_gemm(x[:1], w), out[:1])
-    assert torch.equal(skinny_gemm(x, w), out)
