@@ -132,6 +132,17 @@ def test_sweep_writes_a_json_per_rate_a_table_and_a_plot(server, tmp_path):
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_sweep_seconds_sizes_each_pass_by_its_rate(server, tmp_path):
+    pytest.importorskip("matplotlib")
+    bench(server, "serve", "--input-len", str(IN), "--output-len", str(OUT), "--sweep", "4,40",
+          "--sweep-seconds", "0.5", "--result-dir", str(tmp_path))  # fmt: skip
+    for rate, count in ((4, 8), (40, 20)):  # ceil(rate × 0.5), at least 8
+        record = json.loads((tmp_path / f"serve-rate-{rate}.json").read_text())
+        assert record["num_prompts"] == count
+        assert_exact(record, count, IN)
+    assert "rate × 0.5 s of prompts per rate" in (tmp_path / "sweep.md").read_text()
+
+
 def test_multiturn_prompts_grow_turn_by_turn(server, tmp_path):
     out = tmp_path / "multiturn.json"
     result = bench(server, "multiturn", "--conversations", "2", "--turns", "2",
@@ -207,3 +218,12 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate():
     assert times == sorted(times)
     assert times[-1] / len(times) == pytest.approx(1 / 50, rel=0.1)
     assert arrival_times(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_revision_comes_from_the_environment_where_the_tree_has_no_git(monkeypatch):
+    from pegainfer.server.bench.report import git_revision
+
+    monkeypatch.setenv("PEGAINFER_REVISION", "0123abcd")
+    assert git_revision() == "0123abcd"
+    monkeypatch.delenv("PEGAINFER_REVISION")
+    assert git_revision() != "0123abcd"

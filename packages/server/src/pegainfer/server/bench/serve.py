@@ -118,6 +118,14 @@ def add_parser(subparsers: Any) -> None:
         help="one pass per request rate (replaces --request-rate)",
     )
     sweep.add_argument(
+        "--sweep-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="each pass sends ceil(rate × S) requests (at least 8) instead of --num-prompts, so "
+        "slow rates end soon and fast ones still reach a steady state",
+    )
+    sweep.add_argument(
         "--result-dir",
         type=Path,
         default=Path("."),
@@ -146,8 +154,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             return result
         results = []
         for i, request_rate in enumerate(args.sweep):
+            count = args.num_prompts
+            if args.sweep_seconds is not None:
+                count = max(8, math.ceil(request_rate * args.sweep_seconds))
+            pass_args = argparse.Namespace(**vars(args) | {"num_prompts": count})
             result = metadata | await _run(
-                client, tokens, generation, args, request_rate, args.seed + i
+                client, tokens, generation, pass_args, request_rate, args.seed + i
             )
             write_json(args.result_dir / f"serve-rate-{request_rate:g}.json", result)
             results.append(result)
@@ -285,8 +297,9 @@ def _report(result: dict[str, Any]) -> str:
 def _sweep_title(generation: Generation, args: argparse.Namespace) -> str:
     title = (
         f"{generation.model}: {args.endpoint}, {args.input_len} in / {args.output_len} out, "
-        f"{args.num_prompts} prompts per rate"
-    )
+        + (f"{args.num_prompts} prompts per rate" if args.sweep_seconds is None
+           else f"rate × {args.sweep_seconds:g} s of prompts per rate")
+    )  # fmt: skip
     if args.max_concurrency is not None:
         title += f", concurrency ≤ {args.max_concurrency}"
     return title
