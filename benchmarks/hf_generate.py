@@ -43,7 +43,8 @@ def main() -> None:
         args.model_path, dtype=torch.bfloat16
     ).cuda()
     model.eval()
-    model.generation_config.pad_token_id = model.generation_config.eos_token_id
+    eos = model.generation_config.eos_token_id
+    model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.input_len), generator=g).cuda()
     with torch.inference_mode():
