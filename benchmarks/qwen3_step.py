@@ -12,21 +12,22 @@ of T tokens in one step, against the bf16 matmul rate measured here.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
+import itertools
 import json
 import logging
-import pstats
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from pegainfer.core import engine as engine_module
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import EngineCore
 from pegainfer.core.messages import EngineRequest
+from pegainfer.core.sampler import sample_requests
 from pegainfer.core.sampling_params import SamplingParams
 from pegainfer.models.qwen3.tiny import write_tiny_qwen3
 from pegainfer.server.bench.report import git_revision
@@ -85,6 +86,55 @@ def decode_budget(batch: int, steps: int) -> int:
     return steps + 32 + batch
 
 
+def host_phases(engine: EngineCore, run_step, reps: int) -> dict[str, float]:
+    """Median milliseconds per step of each host phase, timed by wrapping the engine's calls
+    (no profiler overhead). `sample (waits for the GPU)` ends in the copy of the sampled ids,
+    so it holds whatever GPU time the host work before it did not cover."""
+    spans: dict[str, list[float]] = defaultdict(list)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spans[name].append(time.perf_counter() - start)
+            return out
+
+        return wrapper
+
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_forward_batch", "inputs"),
+               (engine.model, "prepare", "attention plan (eager)"),
+               (engine.model, "prepare_graph", "attention plan (graph)"),
+               (engine.scheduler, "update", "update")]  # fmt: skip
+    if engine.graphs is not None:
+        targets.append((engine.graphs, "run", "graph run (plan + copies + launch)"))
+    for obj, attr, name in targets:
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+    engine_module.sample_requests = timed("sample (waits for the GPU)", sample_requests)
+    try:
+        for _ in range(reps):
+            start = time.perf_counter()
+            run_step()
+            spans["whole step"].append(time.perf_counter() - start)
+    finally:
+        for obj, attr, _ in targets:
+            delattr(obj, attr)  # back to the class's method
+        engine_module.sample_requests = sample_requests
+    return {name: statistics.median(v) * 1e3 for name, v in spans.items()}
+
+
+def profile_steps(engine: EngineCore, path: Path, run_step) -> None:
+    """A kernel table (torch profiler, 5 steps) and the host phases (20 steps) of `run_step`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run_step()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    phases = host_phases(engine, run_step, 20)
+    lines = [f"{name:40s} {ms:8.3f} ms" for name, ms in phases.items()]
+    path.write_text(table + "\nHost phases per step (median of 20):\n" + "\n".join(lines) + "\n")
+
+
 def decode_step_time(
     engine: EngineCore, batch: int, context: int, steps: int, profile_dir: Path | None
 ) -> tuple[float, float]:
@@ -106,22 +156,7 @@ def decode_step_time(
     bucket = min(b for b in graphs.buckets if b >= batch)
     replay = cuda_time(graphs._graphs[bucket].replay)
     if profile_dir is not None:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                engine.step()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        (profile_dir / f"profile_b{batch}.txt").write_text(table)
-        # Where the host's share of a step goes (Python-level, 20 steps).
-        host = cProfile.Profile()
-        host.enable()
-        for _ in range(20):
-            engine.step()
-        host.disable()
-        text = io.StringIO()
-        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
-        (profile_dir / f"host_profile_b{batch}.txt").write_text(text.getvalue())
+        profile_steps(engine, profile_dir / f"profile_b{batch}.txt", engine.step)
     engine.abort(list(engine.requests))
     return statistics.median(times), replay
 
@@ -141,6 +176,35 @@ def prefill_time(engine: EngineCore, tokens: int, reps: int = 3) -> float:
     return statistics.median(times[1:])
 
 
+def prefix_hit_time(engine: EngineCore, tokens: int, reps: int, profile_path: Path | None) -> float:
+    """Median wall time of the one step that serves a prompt of `tokens` whose full blocks are
+    all in the prefix cache (the last block's tokens are computed again), as the warm-prefix
+    ladder of `pegainfer-bench prefix` sends it."""
+    g = torch.Generator().manual_seed(7 * tokens)
+    prompt = torch.randint(0, VOCAB, (tokens,), generator=g).tolist()
+    ids = itertools.count()
+
+    def serve_once() -> None:
+        hits = engine.scheduler.counters.prefix_hits
+        submit(engine, f"hit{tokens}-{next(ids)}", prompt, 1)
+        engine.step()
+        assert not engine.requests, "the prompt did not finish in one step"
+        assert engine.scheduler.counters.prefix_hits - hits >= tokens - engine.config.block_size
+
+    submit(engine, f"fill{tokens}", prompt, 1)
+    while engine.requests:
+        engine.step()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        serve_once()
+        times.append(time.perf_counter() - start)
+    if profile_path is not None:
+        profile_steps(engine, profile_path, serve_once)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="4b")
@@ -148,6 +212,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--prefill", default="1024,4096,16384")
+    parser.add_argument(
+        "--prefix-hit", default="", help="prompt lengths whose prefix-cache hit step is timed"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--profile", default="", help="batch sizes whose steps get a kernel profile beside --out"
@@ -172,7 +239,7 @@ def main() -> None:
             max_model_len=max(max(prefills), args.context + decode_budget(max(batches), args.steps))
             + 64,
             max_num_batched_tokens=max(prefills),
-            enable_prefix_caching=False,
+            enable_prefix_caching=True,  # as served; the timed prompts are all distinct
         ))  # fmt: skip
         load_s = time.perf_counter() - started
 
@@ -204,6 +271,13 @@ def main() -> None:
                         "fraction_of_matmul_rate": flop / t / flops})  # fmt: skip
         print(prefill[-1], flush=True)
 
+    prefix_hit = []
+    for tokens in (int(t) for t in args.prefix_hit.split(",") if t):
+        path = args.out.parent / f"profile_prefix_hit_{tokens}.txt" if profiled else None
+        t = prefix_hit_time(engine, tokens, 20, path)
+        prefix_hit.append({"tokens": tokens, "step_ms": t * 1e3})
+        print(prefix_hit[-1], flush=True)
+
     revision = args.revision or git_revision()
     result = {
         "shape": args.shape, "config": shape, "revision": revision,
@@ -212,6 +286,7 @@ def main() -> None:
         "measured_bf16_matmul_TFLOPs": flops / 1e12,
         "weight_bytes": weight_bytes, "engine_load_s": load_s,
         "num_kv_blocks": engine.config.num_kv_blocks, "decode": decode, "prefill": prefill,
+        "prefix_hit": prefix_hit,
     }  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2))
 
