@@ -233,11 +233,13 @@ def main() -> None:
                          max_position_embeddings=40960, **shape)  # fmt: skip
         batches = [int(b) for b in args.batches.split(",")]
         prefills = [int(t) for t in args.prefill.split(",")]
+        prefix_hits = [int(t) for t in args.prefix_hit.split(",") if t]
         started = time.perf_counter()
         engine = EngineCore(EngineArgs(
             model=tmp, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-            max_model_len=max(max(prefills), args.context + decode_budget(max(batches), args.steps))
-            + 64,
+            max_model_len=64 + max(
+                *prefills, *prefix_hits, args.context + decode_budget(max(batches), args.steps)
+            ),
             max_num_batched_tokens=max(prefills),
             enable_prefix_caching=True,  # as served; the timed prompts are all distinct
         ))  # fmt: skip
@@ -272,7 +274,7 @@ def main() -> None:
         print(prefill[-1], flush=True)
 
     prefix_hit = []
-    for tokens in (int(t) for t in args.prefix_hit.split(",") if t):
+    for tokens in prefix_hits:
         path = args.out.parent / f"profile_prefix_hit_{tokens}.txt" if profiled else None
         t = prefix_hit_time(engine, tokens, 20, path)
         prefix_hit.append({"tokens": tokens, "step_ms": t * 1e3})
