@@ -81,9 +81,9 @@ def submit(engine: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> 
 
 
 def decode_budget(batch: int, steps: int) -> int:
-    """Tokens a decode request may generate: the measured and profiled steps, plus the steps
-    it may decode while the others still prefill (at most one per other request)."""
-    return steps + 32 + batch
+    """Tokens a decode request may generate: the measured and profiled steps (pure decode and
+    mixed), plus the steps it may decode while the others still prefill (one per other)."""
+    return 2 * (steps + 32) + batch
 
 
 def host_phases(engine: EngineCore, run_step, reps: int) -> dict[str, float]:
@@ -136,9 +136,15 @@ def profile_steps(engine: EngineCore, path: Path, run_step) -> None:
 
 
 def decode_step_time(
-    engine: EngineCore, batch: int, context: int, steps: int, profile_dir: Path | None
-) -> tuple[float, float]:
-    """Median wall time of a full engine step, and GPU time of the step's graph replay."""
+    engine: EngineCore,
+    batch: int,
+    context: int,
+    steps: int,
+    profile_dir: Path | None,
+    mixed_prompt: int = 0,
+) -> tuple[float, float, float | None]:
+    """Median wall time of a full engine step, GPU time of the step's graph replay, and (with
+    `mixed_prompt`) median wall time of a step that also prefills a new prompt that long."""
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(0, VOCAB, (context,), generator=g).tolist()
@@ -151,14 +157,35 @@ def decode_step_time(
         start = time.perf_counter()
         engine.step()  # ends in the device-to-host copy of the sampled ids
         times.append(time.perf_counter() - start)
+    decode_median = statistics.median(times)
     # The forward alone: replay the step's graph as last planned (GPU time, no host work).
     graphs = engine.graphs
     bucket = min(b for b in graphs.buckets if b >= batch)
     replay = cuda_time(graphs._graphs[bucket].replay)
     if profile_dir is not None:
         profile_steps(engine, profile_dir / f"profile_b{batch}.txt", engine.step)
+    mixed = None
+    if mixed_prompt:
+        # A serving step under load: the same decodes plus one new prompt prefilled whole
+        # (it asks for one token, so it leaves at once and the batch stays the same).
+        ids = itertools.count()
+
+        def mixed_step() -> None:
+            prompt = torch.randint(0, VOCAB, (mixed_prompt,), generator=g).tolist()
+            submit(engine, f"m{batch}-{next(ids)}", prompt, 1)
+            engine.step()
+
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            mixed_step()
+            times.append(time.perf_counter() - start)
+        mixed = statistics.median(times)
+        if profile_dir is not None:
+            path = profile_dir / f"profile_b{batch}_plus_prefill{mixed_prompt}.txt"
+            profile_steps(engine, path, mixed_step)
     engine.abort(list(engine.requests))
-    return statistics.median(times), replay
+    return decode_median, replay, mixed
 
 
 def prefill_time(engine: EngineCore, tokens: int, reps: int = 3) -> float:
@@ -215,6 +242,10 @@ def main() -> None:
     parser.add_argument(
         "--prefix-hit", default="", help="prompt lengths whose prefix-cache hit step is timed"
     )
+    parser.add_argument(
+        "--mixed-prompt", type=int, default=0,
+        help="also time decode steps that prefill one new prompt of this many tokens",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--profile", default="", help="batch sizes whose steps get a kernel profile beside --out"
@@ -236,7 +267,8 @@ def main() -> None:
         prefix_hits = [int(t) for t in args.prefix_hit.split(",") if t]
         started = time.perf_counter()
         engine = EngineCore(EngineArgs(
-            model=tmp, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+            model=tmp, device="cuda", dtype="bfloat16",
+            max_num_seqs=max(batches) + int(args.mixed_prompt > 0),
             max_model_len=64 + max(
                 *prefills, *prefix_hits, args.context + decode_budget(max(batches), args.steps)
             ),
@@ -254,7 +286,9 @@ def main() -> None:
     decode = []
     for batch in batches:
         profile_dir = args.out.parent if batch in profiled else None
-        step, replay = decode_step_time(engine, batch, args.context, args.steps, profile_dir)
+        step, replay, mixed = decode_step_time(
+            engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt
+        )
         kv = batch * (args.context + args.steps // 2) * kv_bytes_per_token
         limit = (streamed + kv) / bandwidth
         decode.append({
@@ -262,6 +296,8 @@ def main() -> None:
             "hbm_limit_ms": limit * 1e3, "fraction_of_limit": limit / step,
             "tokens_per_s": batch / step,
         })  # fmt: skip
+        if mixed is not None:
+            decode[-1]["step_with_prefill_ms"] = mixed * 1e3
         print(decode[-1], flush=True)
     matmul_params = streamed - VOCAB * cfg.hidden_size * 2  # the LM head runs for one row
     prefill = []
