@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from pegainfer.core.args import EngineArgs
+from pegainfer.core.attention import TorchPagedAttention
 from pegainfer.core.engine import EngineCore
 from pegainfer.core.forward_batch import ForwardBatch
 from tests.qwen3.golden_gate import (
+    GateResult,
     TeacherForcer,
     judge,
     make_cases,
@@ -68,6 +70,38 @@ def test_graph_replay_equals_eager_for_the_same_batch(small):
         engine.model.prepare_graph(padded, 8)
         eager = engine.model(padded, engine.kv_cache)[:5]
     assert torch.equal(replayed, eager)
+    for table in tables:
+        engine.block_manager.release(table)
+
+
+def test_mixed_step_matches_the_reference_attention(small):
+    """Decodes and prefill chunks in one eager step (the leading one-token queries through
+    FlashInfer's decode kernel, the rest through its prefill kernel, a one-token prompt among
+    them) against the torch reference attention on the same step, at the gate's tolerances."""
+    _, engine, _ = small
+    model, bs, cuda = engine.model, engine.config.block_size, torch.device("cuda")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
+    TeacherForcer(engine)._step(prompts, [0] * 3, tables, graphs=False)
+    fresh = [list(range(50, 50 + n)) for n in (33, 1, 70)]
+    tables += [engine.block_manager.allocate(-(-len(p) // bs)) for p in fresh]
+    chunks = [[7], [8], [9], *fresh]
+    starts = [len(p) for p in prompts] + [0, 0, 0]
+    batch = ForwardBatch.build(chunks, starts, tables, [True] * 6, bs, cuda)
+    flashinfer_attention = model.attn
+    with torch.inference_mode():
+        model.prepare(batch)
+        assert flashinfer_attention._num_decodes == 3
+        ours = model(batch, engine.kv_cache)
+        model.attn = TorchPagedAttention(flashinfer_attention.shape)
+        try:
+            model.prepare(batch)
+            reference = model(batch, engine.kv_cache).float().log_softmax(-1)
+        finally:
+            model.attn = flashinfer_attention
+    gate = GateResult()
+    gate.add(ours, reference)
+    gate.check("mixed step")
     for table in tables:
         engine.block_manager.release(table)
 
