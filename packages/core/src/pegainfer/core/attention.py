@@ -68,22 +68,16 @@ class _PagedIndex:
     last_page_len: torch.Tensor  # [B] host
 
     @classmethod
-    def of(
-        cls, batch: ForwardBatch, device: torch.device, seqs: slice = slice(None)
-    ) -> _PagedIndex:
-        """The pages of the batch's sequences `seqs`."""
+    def of(cls, batch: ForwardBatch, device: torch.device) -> _PagedIndex:
         bs = batch.block_size
-        seq_lens = batch.seq_lens_cpu[seqs]
-        pages = [(n + bs - 1) // bs for n in seq_lens]
+        pages = [(n + bs - 1) // bs for n in batch.seq_lens_cpu]
         indices = [
-            b
-            for table, p in zip(batch.block_tables_cpu[seqs], pages, strict=True)
-            for b in table[:p]
+            b for table, p in zip(batch.block_tables_cpu, pages, strict=True) for b in table[:p]
         ]
         indptr = [0]
         for p in pages:
             indptr.append(indptr[-1] + p)
-        last = [n - (p - 1) * bs for n, p in zip(seq_lens, pages, strict=True)]
+        last = [n - (p - 1) * bs for n, p in zip(batch.seq_lens_cpu, pages, strict=True)]
         return cls(
             kv_indptr=torch.tensor(indptr, dtype=torch.int32).pin_memory(),
             kv_indices=torch.tensor(indices, dtype=torch.int32)
@@ -112,11 +106,6 @@ class FlashInferPagedAttention(PagedAttention):
             self._workspace, "NHD", backend="fa2"
         )
         tensor_cores = shape.num_heads // shape.num_kv_heads >= 4
-        # One-token queries of eager steps: the prefill kernel would give each a whole query
-        # tile (7.8 ms of a 4B step with 128 decodes beside a 1k prefill, against ~1 ms).
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=tensor_cores
-        )
         # One set of index buffers, sliced per bucket: graphs replay one at a time.
         largest = max(graph_buckets, default=0)
         indptr = torch.zeros(largest + 1, dtype=torch.int32, device=device)
@@ -135,7 +124,6 @@ class FlashInferPagedAttention(PagedAttention):
             for bucket in graph_buckets
         }
         self._active = self._prefill
-        self._num_decodes = 0  # leading one-token queries of an eager step (decode kernel)
         self._planned: torch.cuda.Event | None = None
 
     def _await_previous_plan(self) -> None:
@@ -146,47 +134,26 @@ class FlashInferPagedAttention(PagedAttention):
         self._planned = torch.cuda.Event()
 
     def plan(self, batch: ForwardBatch) -> None:
-        """Sequences that feed one token and come first run through the decode kernel, the
-        rest (prefill chunks, in any order) through the prefill kernel; the engine orders a
-        step's one-token chunks first."""
         self._await_previous_plan()
-        lens = batch.query_lens_cpu
-        decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
+        index = _PagedIndex.of(batch, self.device)
+        qo_indptr = batch.query_start_loc_cpu.pin_memory()
         s = self.shape
-        if decodes:
-            index = _PagedIndex.of(batch, self.device, slice(None, decodes))
-            self._decode.plan(
-                index.kv_indptr,
-                index.kv_indices,
-                index.last_page_len,
-                s.num_heads,
-                s.num_kv_heads,
-                s.head_dim,
-                batch.block_size,
-                sm_scale=s.scale,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-            )
-        if decodes < len(lens):
-            index = _PagedIndex.of(batch, self.device, slice(decodes, None))
-            qo_indptr = batch.query_start_loc_cpu[decodes:] - decodes
-            self._prefill.plan(
-                qo_indptr.pin_memory(),
-                index.kv_indptr,
-                index.kv_indices,
-                index.last_page_len,
-                s.num_heads,
-                s.num_kv_heads,
-                s.head_dim,
-                batch.block_size,
-                causal=True,
-                sm_scale=s.scale,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-            )
+        self._prefill.plan(
+            qo_indptr,
+            index.kv_indptr,
+            index.kv_indices,
+            index.last_page_len,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            batch.block_size,
+            causal=True,
+            sm_scale=s.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
         self._planned.record()
-        self._active = self._prefill if decodes < len(lens) else self._decode
-        self._num_decodes = decodes if decodes < len(lens) else 0
+        self._active = self._prefill
 
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
         self._await_previous_plan()
@@ -207,15 +174,11 @@ class FlashInferPagedAttention(PagedAttention):
         )
         self._planned.record()
         self._active = wrapper
-        self._num_decodes = 0
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        # Into a preallocated output: without one, the prefill kernel zero-fills its own.
+        # Into a preallocated output: without one, the prefill wrapper zero-fills its own.
         out = torch.empty_like(q)
-        d = self._num_decodes
-        if d:
-            self._decode.run(q[:d], kv_layer, out=out[:d])
-        self._active.run(q[d:], kv_layer, out=out[d:])
+        self._active.run(q, kv_layer, out=out)
         return out
 
 

@@ -233,9 +233,6 @@ class EngineCore:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
-        # One-token chunks first (a stable sort): attention runs them as decodes, apart from
-        # the prefill chunks. Sampling and the scheduler's update follow the same order.
-        step.chunks.sort(key=lambda chunk: chunk.num_tokens > 1)
         batch = self._forward_batch(step)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
