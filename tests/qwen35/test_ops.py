@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from pegainfer.core.ops.rotary import RotaryEmbedding
 from pegainfer.models.qwen35 import ops
 
 TOL = 1e-5
@@ -30,18 +31,17 @@ def test_rms_norm_offset_and_gated_norm(dtype):
         close(ops.gated_rms_norm(x, gate, gated.weight, 1e-6), gated(x, gate), 0)
 
 
-def test_partial_rotary_matches_transformers():
+def test_core_rotary_is_qwen35s_partial_rotary():
+    """Core's RotaryEmbedding over the first quarter of the head is Qwen3.5's M-RoPE for text."""
     config = hf.Qwen3_5TextConfig(hidden_size=64, num_attention_heads=2, head_dim=64,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                                    "partial_rotary_factor": 0.25})  # fmt: skip
-    rope = hf.Qwen3_5TextRotaryEmbedding(config)
-    positions = torch.tensor([[0, 1, 5, 17, 300]])
+    positions = torch.tensor([0, 1, 5, 17, 300])
     q = torch.randn(1, 2, 5, 64, generator=torch.Generator().manual_seed(1))
-    cos, sin = rope(q, positions)  # [1, T, rotary_dim]
+    cos, sin = hf.Qwen3_5TextRotaryEmbedding(config)(q, positions[None])
     ref, _ = hf.apply_rotary_pos_emb(q, q, cos, sin)
-    half = cos.shape[-1] // 2
-    ours = ops.partial_rotary(q[0].transpose(0, 1), cos[0, :, :half], sin[0, :, :half])
-    close(ours, ref[0].transpose(0, 1))
+    ours = RotaryEmbedding(16, 1e7, 400, torch.device("cpu")).apply(q[0].transpose(0, 1), positions)
+    close(ours, ref[0].transpose(0, 1), 0)
 
 
 def test_causal_conv1d_fresh_continued_and_decoded():

@@ -2,9 +2,10 @@
 
 These define the semantics the GPU kernels are tested against, following transformers'
 `modeling_qwen3_5` casts: the zero-centred RMSNorm `norm(x) * (1 + w)`, the gated RMSNorm of
-the DeltaNet output, partial rotary embeddings, the causal depthwise conv1d with its state, and
+the DeltaNet output, the causal depthwise conv1d with its state, and
 the gated delta rule in its recurrent form (decode) and its chunked form (prefill, which may
-continue from a saved state). The recurrence, per value head with state S [dk, dv]:
+continue from a saved state). Partial rotary embeddings are core's `RotaryEmbedding` over the
+first `head_dim * partial_rotary_factor` dims. The recurrence, per value head with state S [dk, dv]:
 
     S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
 """
@@ -30,18 +31,6 @@ def gated_rms_norm(
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
-
-
-def partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of the first `2 * cos.shape[-1]` dims of x [T, heads, head_dim];
-    the rest pass through. cos/sin [T, rotary_dim / 2] are in x's dtype."""
-    half = cos.shape[-1]
-    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
-    x1, x2 = rot[..., :half], rot[..., half:]
-    c = torch.cat((cos, cos), dim=-1)[:, None, :]
-    s = torch.cat((sin, sin), dim=-1)[:, None, :]
-    rotated = rot * c + torch.cat((-x2, x1), dim=-1) * s
-    return torch.cat((rotated, rest), dim=-1)
 
 
 def causal_conv1d(
