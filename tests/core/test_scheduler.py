@@ -106,3 +106,34 @@ def test_finished_requests_release_and_seal_their_blocks():
     s.add(request("b", 9))
     run_step(s)
     assert s.running[0].num_cached_tokens == 8  # both full prompt blocks were reused
+
+
+def test_every_running_request_holds_its_own_state_slot_until_it_leaves():
+    s = make(max_seqs=3, budget=64)
+    s.add(request("old", 8, max_tokens=3, first=0))
+    s.add(request("new", 8, first=100))
+    s.add(request("aborted", 2, first=200))
+    s.add(request("fourth", 2, first=300))
+    run_step(s)  # three admitted (max_num_seqs), the fourth waits
+    slots = {r.request_id: r.slot for r in s.running}
+    assert sorted(slots.values()) == [0, 1, 2] and s.waiting[0].slot is None
+    assert s.abort("aborted") is not None  # a running request's slot goes back on abort
+    run_step(s)  # the fourth takes the freed slot
+    assert {r.request_id: r.slot for r in s.running}["fourth"] == slots["aborted"]
+    while any(r.request_id == "old" for r in s.running):
+        run_step(s)  # "old" finishes after 3 tokens and frees its slot
+    held = [r.slot for r in s.running]
+    assert len(set(held)) == len(held) == 2 and slots["old"] not in held
+
+
+def test_a_preempted_request_gives_its_slot_back():
+    s = make(num_blocks=6, budget=64)
+    s.add(request("old", 8, first=0))
+    s.add(request("new", 8, first=100))
+    for _ in range(6):
+        step = run_step(s)
+        if step.preempted:
+            break
+    assert [r.request_id for r in step.preempted] == ["new"] and step.preempted[0].slot is None
+    assert [r.slot for r in s.running] == [0]
+    s.blocks.check_invariants()

@@ -18,7 +18,7 @@ from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.cuda_graphs import DecodeGraphs, graph_buckets
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache, blocks_for_memory
+from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec, blocks_for_memory
 from pegainfer.core.memory import plan_gpu_kv, profile_step_peak
 from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
@@ -113,8 +113,10 @@ class EngineCore:
         buckets = graph_buckets(args.max_num_seqs) if use_graphs else ()
         self.model.init_runtime(RuntimeConfig(args.block_size, max_model_len, buckets))
         specs = self.model.kv_arenas(args.block_size)
+        states = self.model.state_arenas()
+        state_bytes = args.max_num_seqs * sum(spec.bytes_per_slot for spec in states)
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
-            args, specs, device, max_model_len
+            args, specs, device, max_model_len, states
         )
         if num_blocks * args.block_size < max_model_len:
             raise ConfigError(
@@ -124,12 +126,18 @@ class EngineCore:
             )
         # On CUDA one more block than the block manager hands out: padding rows of graph
         # replays read and write it.
-        self.kv_cache = KVCache(specs, num_blocks + int(cuda), device)
+        self.kv_cache = KVCache(
+            specs, num_blocks + int(cuda), device, states, args.max_num_seqs if states else 0
+        )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB)%s",
             num_blocks,
             args.block_size,
             self.kv_cache.nbytes / _GIB,
+            f", of which {state_bytes / _GIB:.2f} GiB recurrent state for {args.max_num_seqs} "
+            "sequences"
+            if states
+            else "",
         )
         self.graphs: DecodeGraphs | None = None
         if buckets:
@@ -149,7 +157,10 @@ class EngineCore:
             num_kv_blocks=num_blocks,
             vocab_size=self.model.vocab_size,
         )
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        prefix_caching = args.enable_prefix_caching and line.supports_prefix_caching
+        if args.enable_prefix_caching and not prefix_caching:
+            logger.info("prefix caching is off: the %r line does not support it yet", line.name)
+        self.block_manager = BlockManager(num_blocks, args.block_size, prefix_caching)
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -161,7 +172,12 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
 
     def _default_num_blocks(
-        self, args: EngineArgs, specs: list[ArenaSpec], device: torch.device, max_model_len: int
+        self,
+        args: EngineArgs,
+        specs: list[ArenaSpec],
+        device: torch.device,
+        max_model_len: int,
+        states: list[StateSpec],
     ) -> int:
         if device.type == "cpu":
             # Never more than every sequence slot at full length could use.
@@ -170,13 +186,17 @@ class EngineCore:
         peak = profile_step_peak(
             self.model,
             specs,
+            states,
             args.block_size,
             args.max_num_batched_tokens,
             args.max_num_seqs,
             max_model_len,
             device,
         )
-        return plan_gpu_kv(specs, args.gpu_memory_utilization, peak, device).num_blocks
+        state_bytes = args.max_num_seqs * sum(spec.bytes_per_slot for spec in states)
+        return plan_gpu_kv(
+            specs, args.gpu_memory_utilization, peak + state_bytes, device
+        ).num_blocks
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -261,6 +281,7 @@ class EngineCore:
             sample_mask=[c.samples for c in step.chunks],
             block_size=self.config.block_size,
             device=self.config.device,
+            slots=[c.request.slot for c in step.chunks],
         )
 
     def stats(self) -> EngineStats:

@@ -8,7 +8,7 @@ Tokens of all scheduled sequences are concatenated: sequence `i` owns rows
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int]  # KV length of each sequence after this step
     block_tables_cpu: list[list[int]]
     query_start_loc_cpu: torch.Tensor  # [B + 1] int32
+    # The state slot of each sequence (models with recurrent layers; empty otherwise).
+    slots_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +50,7 @@ class ForwardBatch:
         sample_mask: list[bool],
         block_size: int,
         device: torch.device,
+        slots: list[int] | None = None,
     ) -> ForwardBatch:
         """Flatten one step: sequence i feeds `token_chunks[i]` starting at `start_positions[i]`.
 
@@ -87,4 +90,5 @@ class ForwardBatch:
             seq_lens_cpu=seq_lens,
             block_tables_cpu=block_tables,
             query_start_loc_cpu=torch.tensor(query_start, dtype=torch.int32),
+            slots_cpu=[] if slots is None else list(slots),
         )

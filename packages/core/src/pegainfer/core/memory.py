@@ -14,7 +14,13 @@ import torch
 
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache, blocks_for_memory, bytes_per_block
+from pegainfer.core.kv_cache import (
+    ArenaSpec,
+    KVCache,
+    StateSpec,
+    blocks_for_memory,
+    bytes_per_block,
+)
 from pegainfer.core.model_line import Model
 from pegainfer.core.sampler import SamplingBatch, sample
 
@@ -45,6 +51,7 @@ class MemoryPlan:
 def profile_step_peak(
     model: Model,
     specs: list[ArenaSpec],
+    states: list[StateSpec],
     block_size: int,
     num_tokens: int,
     num_seqs: int,
@@ -69,10 +76,11 @@ def profile_step_peak(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device)
-    scratch = KVCache(specs, pages, device)
+    scratch = KVCache(specs, pages, device, states, seqs)
     batch = ForwardBatch.build(
-        [[0] * n for n in lengths], [0] * seqs, tables, [True] * seqs, block_size, device
-    )
+        [[0] * n for n in lengths], [0] * seqs, tables, [True] * seqs, block_size, device,
+        slots=list(range(seqs)),
+    )  # fmt: skip
     with torch.inference_mode():
         model.prepare(batch)
         logits = model(batch, scratch)

@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from pegainfer.core.forward_batch import ForwardBatch
-    from pegainfer.core.kv_cache import ArenaSpec, KVCache
+    from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec
     from pegainfer.core.scheduler import Scheduler
 
 
@@ -84,6 +84,11 @@ class Model(torch.nn.Module, ABC):
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
         """The cache tensors one KV block needs, for every layer."""
 
+    def state_arenas(self) -> list[StateSpec]:
+        """Fixed-size state each running sequence keeps per layer (recurrent layers); a
+        sequence whose step starts at position 0 must not read what its slot held before."""
+        return []
+
     @abstractmethod
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         """Set up what steps need (attention backends, their graph buffers)."""
@@ -107,6 +112,10 @@ class ModelLine(ABC):
     name: str
     #: Engine arguments this line ignores; setting one is an error rather than a silent no-op.
     unsupported_args: frozenset[str] = frozenset()
+    #: Whether a prefix-cache hit restores everything a sequence's model state needs (it does
+    #: not for recurrent layers until their states are checkpointed); if not, the engine runs
+    #: the line with prefix caching off.
+    supports_prefix_caching: bool = True
 
     @abstractmethod
     def probe(self, config: dict[str, Any]) -> Probe:

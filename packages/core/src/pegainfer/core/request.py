@@ -36,6 +36,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.slot: int | None = None  # its state slot while running (recurrent layers)
         self.block_hashes: list[bytes] = []
         self.num_sealed_blocks = 0
         self.num_cached_tokens = -1  # set at first admission

@@ -63,6 +63,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
+        # One state slot per running sequence; at most max_num_seqs run, so one is always free.
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
 
     @property
     def has_work(self) -> bool:
@@ -127,6 +129,7 @@ class Scheduler:
                 self.counters.prefix_queries += request.num_tokens
                 self.counters.prefix_hits += request.num_computed_tokens
             request.status = RequestStatus.RUNNING
+            request.slot = self._free_slots.pop()
             self.running.append(request)
             step.chunks.append(self._chunk(request, num_new))
             budget -= num_new
@@ -189,6 +192,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.blocks.release(request.block_ids)
+        self._release_slot(request)
         self._reset(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -200,8 +204,14 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_sealed_blocks = 0
 
+    def _release_slot(self, request: Request) -> None:
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+
     def _finish(self, request: Request, reason: str) -> None:
         self.blocks.release(request.block_ids)
+        self._release_slot(request)
         request.block_ids = []
         request.finish_reason = reason
         request.status = RequestStatus.FINISHED
