@@ -109,8 +109,10 @@ def test_no_claim_lists_each_reason():
     ],
 )
 def test_known_family_names_its_extra(config, extra):
+    """With only the Qwen3 line installed, a checkpoint of another known family says which
+    extra serves it."""
     with pytest.raises(ModelLineError, match=rf"pip install 'pegainfer\[{extra}\]'"):
-        detect_model_line(config, model_lines())
+        detect_model_line(config, [_Line("qwen3", {"qwen3"})])
 
 
 def test_duplicate_line_names_are_refused():

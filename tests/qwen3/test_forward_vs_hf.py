@@ -5,51 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import KVCache
+from tests.paged_runner import PagedRunner
 from tests.qwen3.hf_reference import VOCAB, load_hf, load_ours
 
-BLOCK = 4
 TOL = 1e-4
-
-
-class PagedRunner:
-    """Feeds chunks of several sequences through our model, every row's logits returned."""
-
-    def __init__(self, model, num_blocks: int = 64) -> None:
-        self.model = model
-        self.kv = KVCache(model.kv_arenas(BLOCK), num_blocks, torch.device("cpu"))
-        # Hand out blocks in a scrambled order so contiguity cannot hide table bugs.
-        self.free = list(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)))
-        self.tables: dict[str, list[int]] = {}
-        self.lengths: dict[str, int] = {}
-
-    def step(self, chunks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        starts = []
-        for name, chunk in chunks.items():
-            table = self.tables.setdefault(name, [])
-            start = self.lengths.get(name, 0)
-            while len(table) * BLOCK < start + len(chunk):
-                table.append(int(self.free.pop()))
-            starts.append(start)
-            self.lengths[name] = start + len(chunk)
-        batch = ForwardBatch.build(
-            token_chunks=list(chunks.values()),
-            start_positions=starts,
-            block_tables=[self.tables[n] for n in chunks],
-            sample_mask=[True] * len(chunks),
-            block_size=BLOCK,
-            device=torch.device("cpu"),
-        )
-        batch.logits_indices = torch.arange(batch.num_tokens)
-        self.model.prepare(batch)
-        with torch.inference_mode():
-            logits = self.model(batch, self.kv)
-        out, row = {}, 0
-        for name, chunk in chunks.items():
-            out[name] = logits[row : row + len(chunk)]
-            row += len(chunk)
-        return out
 
 
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:

@@ -1,0 +1,35 @@
+"""The Qwen3.5 line: claims `qwen3_5` (VLM) and `qwen3_5_text` checkpoints, serves their text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.weights import allocate_parameters, load_weights
+from pegainfer.models.qwen35.config import Qwen35Config
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+class Qwen35Line(ModelLine):
+    name = "qwen35"
+    # A prefix hit would restore the attention layers' KV but not the DeltaNet states.
+    supports_prefix_caching = False
+
+    def probe(self, config: dict[str, Any]) -> Probe:
+        model_type = config.get("model_type")
+        if model_type in MODEL_TYPES:
+            return Probe.claim()
+        return Probe.reject(f"model_type is {model_type!r}, not one of {MODEL_TYPES}")
+
+    def build_model(self, ctx: ModelContext) -> Model:
+        from pegainfer.models.qwen35.model import Qwen35ForCausalLM
+
+        cfg = Qwen35Config.from_dict(ctx.config)
+        with torch.device("meta"):
+            model = Qwen35ForCausalLM(cfg).to(ctx.dtype)
+        allocate_parameters(model, ctx.device)
+        load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map)
+        return model
