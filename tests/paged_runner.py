@@ -44,7 +44,7 @@ class PagedRunner:
             sample_mask=[True] * len(chunks),
             block_size=BLOCK,
             device=torch.device("cpu"),
-            slots=[self.slots[n] for n in chunks],
+            state_slots=[self.slots[n] for n in chunks],
         )
         batch.logits_indices = torch.arange(batch.num_tokens)
         self.model.prepare(batch)

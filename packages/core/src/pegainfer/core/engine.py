@@ -281,7 +281,7 @@ class EngineCore:
             sample_mask=[c.samples for c in step.chunks],
             block_size=self.config.block_size,
             device=self.config.device,
-            slots=[c.request.slot for c in step.chunks],
+            state_slots=[c.request.slot for c in step.chunks],
         )
 
     def stats(self) -> EngineStats:

@@ -26,7 +26,7 @@ class ForwardBatch:
     block_tables_cpu: list[list[int]]
     query_start_loc_cpu: torch.Tensor  # [B + 1] int32
     # The state slot of each sequence (models with recurrent layers; empty otherwise).
-    slots_cpu: list[int] = field(default_factory=list)
+    state_slots_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +50,7 @@ class ForwardBatch:
         sample_mask: list[bool],
         block_size: int,
         device: torch.device,
-        slots: list[int] | None = None,
+        state_slots: list[int] | None = None,
     ) -> ForwardBatch:
         """Flatten one step: sequence i feeds `token_chunks[i]` starting at `start_positions[i]`.
 
@@ -90,5 +90,5 @@ class ForwardBatch:
             seq_lens_cpu=seq_lens,
             block_tables_cpu=block_tables,
             query_start_loc_cpu=torch.tensor(query_start, dtype=torch.int32),
-            slots_cpu=[] if slots is None else list(slots),
+            state_slots_cpu=[] if state_slots is None else list(state_slots),
         )

@@ -79,7 +79,7 @@ def profile_step_peak(
     scratch = KVCache(specs, pages, device, states, seqs)
     batch = ForwardBatch.build(
         [[0] * n for n in lengths], [0] * seqs, tables, [True] * seqs, block_size, device,
-        slots=list(range(seqs)),
+        state_slots=list(range(seqs)),
     )  # fmt: skip
     with torch.inference_mode():
         model.prepare(batch)

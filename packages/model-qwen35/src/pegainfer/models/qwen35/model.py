@@ -112,7 +112,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d[:, 0]
         out = torch.empty(tokens, heads, dv, dtype=x.dtype, device=x.device)
         bounds = batch.query_start_loc_cpu.tolist()
-        for i, slot in enumerate(batch.slots_cpu):
+        for i, slot in enumerate(batch.state_slots_cpu):
             start, end = bounds[i], bounds[i + 1]
             fresh = batch.seq_lens_cpu[i] == end - start  # the sequence starts in this step
             if fresh:
@@ -223,7 +223,7 @@ class Qwen35ForCausalLM(Model):
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         rope, attn, cfg = self.rope, self.attn, self.cfg
         assert rope is not None and attn is not None
-        assert len(batch.slots_cpu) == batch.num_seqs, (
+        assert len(batch.state_slots_cpu) == batch.num_seqs, (
             "Qwen3.5 steps need a state slot per sequence"
         )
         kv, conv, recurrent = kv_cache["kv"], kv_cache["conv"], kv_cache["recurrent"]
