@@ -20,7 +20,7 @@ from pegainfer.core.plugins import (
     model_lines,
 )
 from pegainfer.core.sampling_params import SamplingParams
-from tests.qwen3.engine_harness import drain, submit
+from tests.engine_harness import drain, submit
 
 FIXTURE = Path(__file__).parent / "plugin_fixture" / "counting_line.py"
 

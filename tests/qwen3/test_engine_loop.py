@@ -9,7 +9,7 @@ import pytest
 from pegainfer.core.engine_loop import EngineLoop, decode_outputs
 from pegainfer.core.messages import AbortRequest, EngineRequest
 from pegainfer.core.sampling_params import SamplingParams
-from tests.qwen3.engine_harness import generate, greedy, make_engine
+from tests.engine_harness import generate, greedy, make_engine
 
 
 def request(rid: str, prompt: list[int], params: SamplingParams) -> EngineRequest:

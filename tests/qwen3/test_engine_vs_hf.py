@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.qwen3.engine_harness import drain, generate, greedy, make_engine, submit
+from tests.engine_harness import drain, generate, greedy, make_engine, submit
 from tests.qwen3.hf_reference import VOCAB, load_hf
 
 NEW_TOKENS = 32

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from pegainfer.core.errors import ConfigError, InvalidRequestError, ModelLineError, WeightLoadError
 from pegainfer.core.sampling_params import SamplingParams
-from tests.qwen3.engine_harness import drain, greedy, make_engine, submit
+from tests.engine_harness import drain, greedy, make_engine, submit
 
 
 @pytest.fixture
