@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,3 +34,10 @@ class Qwen35Line(ModelLine):
         allocate_parameters(model, ctx.device)
         load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map)
         return model
+
+    def write_tiny_checkpoint(
+        self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+    ) -> None:
+        from pegainfer.models.qwen35.tiny import write_tiny_qwen35
+
+        write_tiny_qwen35(out_dir, seed=seed, num_shards=num_shards, **overrides)
