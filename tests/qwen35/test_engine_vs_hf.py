@@ -34,24 +34,24 @@ def reference(tmp_path_factory):
     hf = load_hf(path)
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 4, 13, 30, 70, 130)]
-    return path, batch, [hf_greedy(hf, p, NEW_TOKENS) for p in batch]
+    return path, batch, [hf_greedy(hf, p, NEW_TOKENS) for p in batch], hf
 
 
 def test_greedy_batch_equals_transformers(reference):
-    path, batch, expected = reference
+    path, batch, expected, _ = reference
     assert generate(make_engine(path), batch, greedy(NEW_TOKENS)) == expected
 
 
 def test_chunked_prefill_beside_decodes_and_slots_reused(reference):
     """Prompts cut into 16-token chunks that share steps with decodes; two sequences at a time,
     so later requests take slots that finished ones left."""
-    path, batch, expected = reference
+    path, batch, expected, _ = reference
     engine = make_engine(path, max_num_batched_tokens=16, max_num_seqs=2)
     assert generate(engine, batch, greedy(NEW_TOKENS)) == expected
 
 
 def test_preemption_recomputes_state_from_scratch(reference):
-    path, batch, expected = reference
+    path, batch, expected, _ = reference
     engine = make_engine(path, num_kv_blocks=60, max_model_len=160)
     for i, prompt in enumerate(batch * 2):
         submit(engine, str(i), prompt, greedy(NEW_TOKENS))
@@ -65,10 +65,45 @@ def test_preemption_recomputes_state_from_scratch(reference):
     assert [outputs[str(i)] for i in range(2 * len(batch))] == expected * 2
 
 
-def test_prefix_caching_is_off_for_the_hybrid_model(reference):
-    """Until DeltaNet states are checkpointed, a repeated prompt is computed again in full."""
-    path, batch, expected = reference
-    engine = make_engine(path)
+@pytest.mark.parametrize("budget", [2048, 16], ids=["one-step-prefill", "chunked-prefill"])
+@pytest.mark.parametrize("first", [4, 5])  # which prompt opens the conversation: 70 or 130
+def test_next_turn_restores_the_checkpointed_state(reference, budget, first):
+    """A chat's next turn (the first turn's prompt and answer, then new text) reuses the KV up
+    to the first prompt's last full block and the DeltaNet state checkpointed there, and
+    generates what transformers generates from scratch. With 16-token chunks the checkpoint
+    falls inside a chunk for the 70-token prompt."""
+    path, batch, expected, hf = reference
+    engine = make_engine(path, max_num_batched_tokens=budget)
+    prompt = batch[first]
+    submit(engine, "turn1", prompt, greedy(NEW_TOKENS))
+    assert drain(engine)["turn1"] == expected[first]
+    turn2 = [*prompt, *expected[first], *batch[2]]
+    submit(engine, "turn2", turn2, greedy(NEW_TOKENS))
+    engine.step()
+    boundary = (len(prompt) - 1) // 4 * 4
+    assert engine.requests["turn2"].num_cached_tokens == boundary
+    assert drain(engine)["turn2"][-NEW_TOKENS + 1 :] == hf_greedy(hf, turn2, NEW_TOKENS)[1:]
+
+
+def test_checkpoints_are_bounded_and_evicted_safely(reference):
+    """One checkpoint for several prompts: each new prompt evicts the last one's, and every
+    output stays right (a hit restores only a state that exists)."""
+    path, batch, expected, _ = reference
+    engine = make_engine(path, state_checkpoints=1)
+    for round_ in range(2):
+        for i in (3, 4, 5):
+            submit(engine, f"{round_}-{i}", batch[i], greedy(NEW_TOKENS))
+            assert drain(engine)[f"{round_}-{i}"] == expected[i]
+    assert len(engine.scheduler.checkpoints) == 1
+    submit(engine, "again", batch[5], greedy(NEW_TOKENS))
+    engine.step()
+    assert engine.requests["again"].num_cached_tokens == (len(batch[5]) - 1) // 4 * 4
+    assert drain(engine)["again"][-NEW_TOKENS + 1 :] == expected[5][1:]
+
+
+def test_no_checkpoints_means_no_prefix_caching(reference):
+    path, batch, expected, _ = reference
+    engine = make_engine(path, state_checkpoints=0)
     assert not engine.block_manager.enable_prefix_caching
     for attempt in range(2):
         submit(engine, str(attempt), batch[-1], greedy(NEW_TOKENS))

@@ -59,6 +59,11 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(
         True, "Do not reuse the KV blocks of earlier prompts' prefixes.", "--no-prefix-cache"
     )
+    state_checkpoints: int = _arg(
+        32,
+        "Models with recurrent layers: states kept at prompt boundaries for prefix-cache hits "
+        "(each as large as one sequence's state; 0 turns prefix caching off for them).",
+    )
     enable_chunked_prefill: bool = _arg(
         True,
         "Do not split prompts longer than the step's token budget over several steps.",
@@ -91,6 +96,8 @@ class EngineArgs:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.state_checkpoints < 0:
+            raise ConfigError(f"state_checkpoints must be 0 or more, got {self.state_checkpoints}")
         if self.cpu_kv_cache_gib <= 0:
             raise ConfigError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
         return self

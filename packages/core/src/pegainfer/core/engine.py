@@ -114,9 +114,18 @@ class EngineCore:
         self.model.init_runtime(RuntimeConfig(args.block_size, max_model_len, buckets))
         specs = self.model.kv_arenas(args.block_size)
         states = self.model.state_arenas()
-        state_bytes = args.max_num_seqs * sum(spec.bytes_per_slot for spec in states)
+        prefix_caching = args.enable_prefix_caching and line.supports_prefix_caching
+        if args.enable_prefix_caching and not prefix_caching:
+            logger.info("prefix caching is off: the %r line does not support it yet", line.name)
+        # Recurrent state: a slot per running sequence, then the checkpoints prefix hits need.
+        checkpoints = args.state_checkpoints if states and prefix_caching else 0
+        if states and prefix_caching and not checkpoints:
+            logger.info("prefix caching is off: no state checkpoints (--state-checkpoints 0)")
+            prefix_caching = False
+        num_slots = args.max_num_seqs + checkpoints if states else 0
+        state_bytes = num_slots * sum(spec.bytes_per_slot for spec in states)
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
-            args, specs, device, max_model_len, states
+            args, specs, device, max_model_len, states, state_bytes
         )
         if num_blocks * args.block_size < max_model_len:
             raise ConfigError(
@@ -126,16 +135,14 @@ class EngineCore:
             )
         # On CUDA one more block than the block manager hands out: padding rows of graph
         # replays read and write it.
-        self.kv_cache = KVCache(
-            specs, num_blocks + int(cuda), device, states, args.max_num_seqs if states else 0
-        )
+        self.kv_cache = KVCache(specs, num_blocks + int(cuda), device, states, num_slots)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)%s",
             num_blocks,
             args.block_size,
             self.kv_cache.nbytes / _GIB,
-            f", of which {state_bytes / _GIB:.2f} GiB recurrent state for {args.max_num_seqs} "
-            "sequences"
+            f", of which {state_bytes / _GIB:.2f} GiB recurrent state: {args.max_num_seqs} "
+            f"sequences and {checkpoints} checkpoints for prefix hits"
             if states
             else "",
         )
@@ -157,15 +164,13 @@ class EngineCore:
             num_kv_blocks=num_blocks,
             vocab_size=self.model.vocab_size,
         )
-        prefix_caching = args.enable_prefix_caching and line.supports_prefix_caching
-        if args.enable_prefix_caching and not prefix_caching:
-            logger.info("prefix caching is off: the %r line does not support it yet", line.name)
         self.block_manager = BlockManager(num_blocks, args.block_size, prefix_caching)
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            num_state_checkpoints=checkpoints,
         )
         self.scheduler = line.scheduler_class()(scheduler_config, self.block_manager)
         self.generator = torch.Generator(device).manual_seed(args.seed)
@@ -178,6 +183,7 @@ class EngineCore:
         device: torch.device,
         max_model_len: int,
         states: list[StateSpec],
+        state_bytes: int,
     ) -> int:
         if device.type == "cpu":
             # Never more than every sequence slot at full length could use.
@@ -193,7 +199,6 @@ class EngineCore:
             max_model_len,
             device,
         )
-        state_bytes = args.max_num_seqs * sum(spec.bytes_per_slot for spec in states)
         return plan_gpu_kv(
             specs, args.gpu_memory_utilization, peak + state_bytes, device
         ).num_blocks
@@ -282,6 +287,8 @@ class EngineCore:
             block_size=self.config.block_size,
             device=self.config.device,
             state_slots=[c.request.slot for c in step.chunks],
+            state_restore=[c.restore_from for c in step.chunks],
+            state_snapshot=[c.snapshot and c.snapshot[:2] for c in step.chunks],
         )
 
     def stats(self) -> EngineStats:

@@ -25,8 +25,13 @@ class ForwardBatch:
     seq_lens_cpu: list[int]  # KV length of each sequence after this step
     block_tables_cpu: list[list[int]]
     query_start_loc_cpu: torch.Tensor  # [B + 1] int32
-    # The state slot of each sequence (models with recurrent layers; empty otherwise).
+    # Models with recurrent layers (empty lists otherwise), per sequence: its state slot; the
+    # checkpoint slot its state restarts from (a prefix hit) or None; where in its chunk to
+    # checkpoint the state (tokens into the chunk, checkpoint slot) or None. A sequence whose
+    # chunk starts at position 0 starts from a zero state.
     state_slots_cpu: list[int] = field(default_factory=list)
+    state_restore_cpu: list[int | None] = field(default_factory=list)
+    state_snapshot_cpu: list[tuple[int, int] | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +56,8 @@ class ForwardBatch:
         block_size: int,
         device: torch.device,
         state_slots: list[int] | None = None,
+        state_restore: list[int | None] | None = None,
+        state_snapshot: list[tuple[int, int] | None] | None = None,
     ) -> ForwardBatch:
         """Flatten one step: sequence i feeds `token_chunks[i]` starting at `start_positions[i]`.
 
@@ -91,4 +98,10 @@ class ForwardBatch:
             block_tables_cpu=block_tables,
             query_start_loc_cpu=torch.tensor(query_start, dtype=torch.int32),
             state_slots_cpu=[] if state_slots is None else list(state_slots),
+            state_restore_cpu=[None] * len(token_chunks)
+            if state_restore is None
+            else list(state_restore),
+            state_snapshot_cpu=[None] * len(token_chunks)
+            if state_snapshot is None
+            else list(state_snapshot),
         )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.request import Request, RequestStatus
+from pegainfer.core.state_checkpoints import StateCheckpoints
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    #: Checkpoints of recurrent state kept for prefix-cache hits (models with state slots).
+    num_state_checkpoints: int = 0
 
 
 @dataclass
@@ -33,6 +36,11 @@ class ScheduledChunk:
     request: Request
     num_tokens: int
     samples: bool
+    #: Recurrent models: the checkpoint slot the sequence's state starts from (a prefix hit).
+    restore_from: int | None = None
+    #: Recurrent models: (tokens into this chunk, checkpoint slot, block hash) where the state
+    #: is to be checkpointed for later prompts.
+    snapshot: tuple[int, int, bytes] | None = None
 
 
 @dataclass
@@ -65,6 +73,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         # One state slot per running sequence; at most max_num_seqs run, so one is always free.
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.checkpoints: StateCheckpoints | None = None
+        if config.num_state_checkpoints and block_manager.enable_prefix_caching:
+            self.checkpoints = StateCheckpoints(config.num_state_checkpoints, config.max_num_seqs)
 
     @property
     def has_work(self) -> bool:
@@ -112,7 +123,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hit = self._match_prefix(request)
+            hit, restore_from = self._match_prefix(request)
             request.num_computed_tokens = len(hit) * self.block_size
             num_new = self._chunk_size(request, budget)
             self.blocks.acquire(hit)
@@ -131,7 +142,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
-            step.chunks.append(self._chunk(request, num_new))
+            chunk = self._chunk(request, num_new)
+            chunk.restore_from = restore_from
+            step.chunks.append(chunk)
             budget -= num_new
         return step
 
@@ -142,6 +155,9 @@ class Scheduler:
         for chunk in step.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
+            if chunk.snapshot is not None and self.checkpoints is not None:
+                _, slot, block_hash = chunk.snapshot
+                self.checkpoints.publish(block_hash, slot)
             if chunk.samples:
                 request.append_token(next(tokens), self.config.max_model_len)
                 touched.append(request)
@@ -158,14 +174,33 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        samples = request.num_computed_tokens + num_new == request.num_tokens
-        return ScheduledChunk(request, num_new, samples)
+        start = request.num_computed_tokens
+        chunk = ScheduledChunk(request, num_new, start + num_new == request.num_tokens)
+        if self.checkpoints is not None:
+            # Checkpoint the state where the last full block before the final token ends: the
+            # longest prefix a later prompt (the next turn of a chat) can reuse.
+            boundary = (request.num_tokens - 1) // self.block_size * self.block_size
+            if start < boundary <= start + num_new:
+                block_hash = request.block_hashes[boundary // self.block_size - 1]
+                slot = self.checkpoints.reserve(block_hash)
+                if slot is not None:
+                    chunk.snapshot = (boundary - start, slot, block_hash)
+        return chunk
 
-    def _match_prefix(self, request: Request) -> list[int]:
+    def _match_prefix(self, request: Request) -> tuple[list[int], int | None]:
+        """The cached blocks the request reuses, and for recurrent models the checkpoint its
+        state restarts from (the hit is cut back to the longest checkpointed prefix)."""
         self.blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
         # Leave at least one token to compute: its logits give the next token.
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.blocks.match_prefix(request.block_hashes, max_blocks)
+        hit = self.blocks.match_prefix(request.block_hashes, max_blocks)
+        if self.checkpoints is None or not hit:
+            return hit, None
+        found = self.checkpoints.lookup(request.block_hashes, len(hit))
+        if found is None:
+            return [], None
+        blocks, slot = found
+        return hit[:blocks], slot
 
     def _allocate(self, request: Request, num_new: int) -> bool:
         total = request.num_computed_tokens + num_new

@@ -14,6 +14,7 @@ from pegainfer.models.qwen3.config import Qwen3Config
 
 class Qwen3Line(ModelLine):
     name = "qwen3"
+    unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
 
     def probe(self, config: dict[str, Any]) -> Probe:
         model_type = config.get("model_type")

@@ -16,8 +16,6 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 class Qwen35Line(ModelLine):
     name = "qwen35"
-    # A prefix hit would restore the attention layers' KV but not the DeltaNet states.
-    supports_prefix_caching = False
 
     def probe(self, config: dict[str, Any]) -> Probe:
         model_type = config.get("model_type")

@@ -96,6 +96,49 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden]; conv_states [slots, C, K-1] and recurrent_states [slots, Hv, dk, dv]
         are this layer's state arenas, updated in place for every sequence of the batch."""
         cfg, tokens = self.cfg, x.shape[0]
+        heads, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        mixed = F.linear(x, self.in_proj_qkv)
+        z = F.linear(x, self.in_proj_z).view(tokens, heads, dv)
+        beta = F.linear(x, self.in_proj_b).sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(
+            F.linear(x, self.in_proj_a).float() + self.dt_bias
+        )
+        out = torch.empty(tokens, heads, dv, dtype=x.dtype, device=x.device)
+        bounds = batch.query_start_loc_cpu.tolist()
+        for i, slot in enumerate(batch.state_slots_cpu):
+            start, end = bounds[i], bounds[i + 1]
+            pieces = [(start, end, None)]
+            snapshot = batch.state_snapshot_cpu[i]
+            if snapshot is not None:  # checkpoint the state after `offset` tokens
+                offset, checkpoint = snapshot
+                pieces = [(start, start + offset, checkpoint), (start + offset, end, None)]
+            first_position = batch.seq_lens_cpu[i] - (end - start)
+            for lo, hi, checkpoint in pieces:
+                if hi > lo:
+                    # transformers scans one token after a state recurrently, else in chunks.
+                    recurrent = hi - lo == 1 and first_position + lo - start > 0
+                    out[lo:hi] = self._scan(
+                        mixed[lo:hi], decay[lo:hi], beta[lo:hi], conv_states, recurrent_states,
+                        slot, recurrent,
+                    )  # fmt: skip
+                if checkpoint is not None:
+                    conv_states[checkpoint] = conv_states[slot]
+                    recurrent_states[checkpoint] = recurrent_states[slot]
+        out = ops.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
+        return F.linear(out.reshape(tokens, -1), self.out_proj)
+
+    def _scan(
+        self,
+        mixed: torch.Tensor,
+        decay: torch.Tensor,
+        beta: torch.Tensor,
+        conv_states: torch.Tensor,
+        recurrent_states: torch.Tensor,
+        slot: int,
+        recurrent: bool,
+    ) -> torch.Tensor:
+        """Conv then the delta rule over one sequence's tokens, from and into its slot."""
+        cfg, n = self.cfg, mixed.shape[0]
         heads, dk, dv = (
             cfg.linear_num_value_heads,
             cfg.linear_key_head_dim,
@@ -103,41 +146,16 @@ class GatedDeltaNet(nn.Module):
         )
         key_dim = cfg.linear_num_key_heads * dk
         group = heads // cfg.linear_num_key_heads
-        mixed = F.linear(x, self.in_proj_qkv)
-        z = F.linear(x, self.in_proj_z).view(tokens, heads, dv)
-        beta = F.linear(x, self.in_proj_b).sigmoid()
-        decay = -self.A_log.float().exp() * F.softplus(
-            F.linear(x, self.in_proj_a).float() + self.dt_bias
-        )
-        weight = self.conv1d[:, 0]
-        out = torch.empty(tokens, heads, dv, dtype=x.dtype, device=x.device)
-        bounds = batch.query_start_loc_cpu.tolist()
-        for i, slot in enumerate(batch.state_slots_cpu):
-            start, end = bounds[i], bounds[i + 1]
-            fresh = batch.seq_lens_cpu[i] == end - start  # the sequence starts in this step
-            if fresh:
-                conv_states[slot].zero_()
-                recurrent_states[slot].zero_()
-            conv_out, conv_states[slot] = ops.causal_conv1d(
-                mixed[start:end], weight, conv_states[slot]
-            )
-            q, k, v = conv_out.split([key_dim, key_dim, conv_out.shape[1] - 2 * key_dim], dim=-1)
-            n = end - start
-            q = ops.l2_normalize(q.float().view(n, -1, dk)).repeat_interleave(group, dim=1)
-            k = ops.l2_normalize(k.float().view(n, -1, dk)).repeat_interleave(group, dim=1)
-            # transformers runs the recurrent form for one token after a state, else chunks.
-            rule = (
-                ops.recurrent_gated_delta_rule
-                if n == 1 and not fresh
-                else (ops.chunked_gated_delta_rule)
-            )
-            o, recurrent_states[slot] = rule(
-                q * dk**-0.5, k, v.float().view(n, heads, dv), decay[start:end],
-                beta[start:end].float(), recurrent_states[slot],
-            )  # fmt: skip
-            out[start:end] = o.to(x.dtype)
-        out = ops.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
-        return F.linear(out.reshape(tokens, -1), self.out_proj)
+        conv_out, conv_states[slot] = ops.causal_conv1d(mixed, self.conv1d[:, 0], conv_states[slot])
+        q, k, v = conv_out.split([key_dim, key_dim, conv_out.shape[1] - 2 * key_dim], dim=-1)
+        q = ops.l2_normalize(q.float().view(n, -1, dk)).repeat_interleave(group, dim=1)
+        k = ops.l2_normalize(k.float().view(n, -1, dk)).repeat_interleave(group, dim=1)
+        rule = ops.recurrent_gated_delta_rule if recurrent else ops.chunked_gated_delta_rule
+        o, recurrent_states[slot] = rule(
+            q * dk**-0.5, k, v.float().view(n, heads, dv), decay, beta.float(),
+            recurrent_states[slot],
+        )  # fmt: skip
+        return o.to(mixed.dtype)
 
 
 class Qwen35Layer(nn.Module):
@@ -203,6 +221,19 @@ class Qwen35ForCausalLM(Model):
         assert self.attn is not None, "init_runtime() must run before the first step"
         self.attn.plan(batch)
 
+    @staticmethod
+    def _start_states(batch: ForwardBatch, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Every layer's state of a sequence starting at position 0 is zero; one resuming from a
+        prefix hit starts from its checkpoint. Done for the whole batch before any layer runs,
+        so a checkpoint this step overwrites is read first."""
+        for i, slot in enumerate(batch.state_slots_cpu):
+            if batch.seq_lens_cpu[i] == batch.query_lens_cpu[i]:
+                conv[:, slot].zero_()
+                recurrent[:, slot].zero_()
+            elif (source := batch.state_restore_cpu[i]) is not None:
+                conv[:, slot] = conv[:, source]
+                recurrent[:, slot] = recurrent[:, source]
+
     def checkpoint_name_map(self, name: str) -> WeightTarget | None:
         """Map a Hugging Face checkpoint tensor name to our parameter (None: not ours)."""
         if name.startswith(_IGNORED):
@@ -227,6 +258,7 @@ class Qwen35ForCausalLM(Model):
             "Qwen3.5 steps need a state slot per sequence"
         )
         kv, conv, recurrent = kv_cache["kv"], kv_cache["conv"], kv_cache["recurrent"]
+        self._start_states(batch, conv, recurrent)
         eps = cfg.rms_norm_eps
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         for index, layer in enumerate(self.layers):
