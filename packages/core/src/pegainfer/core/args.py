@@ -59,6 +59,15 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(
         True, "Do not reuse the KV blocks of earlier prompts' prefixes.", "--no-prefix-cache"
     )
+    kv_offload: bool = _arg(
+        False,
+        "Keep sealed KV blocks in a host-memory tier too, so prefixes that left the GPU come "
+        "back by copy instead of by recomputing.",
+        "--kv-offload",
+    )
+    kv_offload_gib: float = _arg(
+        16.0, "With --kv-offload: host memory (GiB, pinned, allocated up front) for the tier."
+    )
     state_checkpoints: int = _arg(
         32,
         "Models with recurrent layers: states kept at prompt boundaries for prefix-cache hits "
@@ -96,6 +105,8 @@ class EngineArgs:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.kv_offload_gib <= 0:
+            raise ConfigError(f"kv_offload_gib must be positive, got {self.kv_offload_gib}")
         if self.state_checkpoints < 0:
             raise ConfigError(f"state_checkpoints must be 0 or more, got {self.state_checkpoints}")
         if self.cpu_kv_cache_gib <= 0:

@@ -56,13 +56,20 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_blocks: bool | None = None,
     ) -> None:
+        """`hash_blocks` (default: `enable_prefix_caching`) keeps block hashes even with the
+        device cache off, for a host tier that caches alone."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks, block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_blocks = enable_prefix_caching if hash_blocks is None else hash_blocks
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -85,9 +92,9 @@ class BlockManager:
         """Append the hashes of the full blocks of `token_ids` that `block_hashes` lacks.
 
         `block_hashes[i]` covers `token_ids[i * block_size:(i + 1) * block_size]`; a request calls
-        this as its tokens grow, so each block is hashed once. A no-op when caching is off.
+        this as its tokens grow, so each block is hashed once. A no-op without `hash_blocks`.
         """
-        if not self.enable_prefix_caching:
+        if not self.hash_blocks:
             return
         bs = self.block_size
         for i in range(len(block_hashes), len(token_ids) // bs):

@@ -18,7 +18,14 @@ from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.cuda_graphs import DecodeGraphs, graph_buckets
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec, blocks_for_memory
+from pegainfer.core.kv_cache import (
+    ArenaSpec,
+    KVCache,
+    StateSpec,
+    blocks_for_memory,
+    bytes_per_block,
+)
+from pegainfer.core.kv_offload import HostMemoryTier
 from pegainfer.core.memory import plan_gpu_kv, profile_step_peak
 from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
@@ -164,7 +171,26 @@ class EngineCore:
             num_kv_blocks=num_blocks,
             vocab_size=self.model.vocab_size,
         )
-        self.block_manager = BlockManager(num_blocks, args.block_size, prefix_caching)
+        self.offload: HostMemoryTier | None = None
+        if args.kv_offload:
+            if states:
+                raise ConfigError(
+                    "--kv-offload does not cover models with recurrent state yet (the host tier "
+                    "does not hold their state checkpoints)"
+                )
+            capacity = int(args.kv_offload_gib * _GIB) // bytes_per_block(specs)
+            self.offload = HostMemoryTier(specs, capacity, device)
+            logger.info(
+                "KV offload: a host tier of %d blocks (%.2f GiB)",
+                capacity,
+                self.offload.nbytes / _GIB,
+            )
+        self.block_manager = BlockManager(
+            num_blocks,
+            args.block_size,
+            prefix_caching,
+            hash_blocks=prefix_caching or args.kv_offload,
+        )
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -172,7 +198,7 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill,
             num_state_checkpoints=checkpoints,
         )
-        self.scheduler = line.scheduler_class()(scheduler_config, self.block_manager)
+        self.scheduler = line.scheduler_class()(scheduler_config, self.block_manager, self.offload)
         self.generator = torch.Generator(device).manual_seed(args.seed)
         self.requests: dict[str, Request] = {}
 
@@ -259,6 +285,10 @@ class EngineCore:
         if not step.chunks:
             return []
         batch = self._forward_batch(step)
+        if self.offload is not None:
+            for block_hash, block in step.restores:
+                self.offload.load(block_hash, self.kv_cache, block)
+            self.offload.before_step()
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
         else:
@@ -271,6 +301,10 @@ class EngineCore:
             outputs.append(self._output(request, request.token_ids[-1:]))
             if request.finished:
                 del self.requests[request.request_id]
+        if self.offload is not None:
+            # After this step's forward on the GPU; before the next step reuses the blocks.
+            for block_hash, block in self.scheduler.take_pending_stores():
+                self.offload.store(block_hash, self.kv_cache, block)
         return outputs
 
     def _forward_batch(self, step: SchedulerStep) -> ForwardBatch:
@@ -299,6 +333,7 @@ class EngineCore:
             kv_cache_usage=self.block_manager.usage,
             prefix_cache_queries=counters.prefix_queries,
             prefix_cache_hits=counters.prefix_hits,
+            prefix_cache_hits_host=counters.prefix_hits_host,
             num_preemptions=counters.preemptions,
         )
 

@@ -75,6 +75,7 @@ class EngineStats(msgspec.Struct):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    prefix_cache_hits_host: int = 0  # of prefix_cache_hits, restored from the host tier
 
 
 class EngineOutputs(msgspec.Struct):

@@ -50,7 +50,11 @@ class Metrics:
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self._prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (either tier)."
+        )
+        self._host_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "Prompt tokens of prefix-cache hits restored from the host tier (--kv-offload).",
         )
         self._ttft = histogram(
             "vllm:time_to_first_token_seconds", "Time to the first token.", _LATENCY_BUCKETS
@@ -75,6 +79,7 @@ class Metrics:
         last = self._last
         self._prefix_queries.labels(m).inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self._prefix_hits.labels(m).inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        self._host_hits.labels(m).inc(stats.prefix_cache_hits_host - last.prefix_cache_hits_host)
         self._preemptions.labels(m).inc(stats.num_preemptions - last.num_preemptions)
         self._last = stats
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pegainfer.core.block_manager import BlockManager
+from pegainfer.core.kv_offload import OffloadBackend
 from pegainfer.core.request import Request, RequestStatus
 from pegainfer.core.state_checkpoints import StateCheckpoints
 
@@ -47,6 +48,8 @@ class ScheduledChunk:
 class SchedulerStep:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    #: Blocks to copy back from the host tier before the step runs: (prefix hash, device block).
+    restores: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,11 +63,17 @@ class SchedulerCounters:
 
     prefix_queries: int = 0
     prefix_hits: int = 0
+    prefix_hits_host: int = 0  # of prefix_hits, restored from the host tier
     preemptions: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        offload: OffloadBackend | None = None,
+    ) -> None:
         self.config = config
         self.blocks = block_manager
         self.block_size = block_manager.block_size
@@ -73,6 +82,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         # One state slot per running sequence; at most max_num_seqs run, so one is always free.
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        # The host tier: sealed blocks are stored there, prefixes that left the device come back.
+        self.offload = offload
+        self.pending_stores: list[tuple[bytes, int]] = []
         self.checkpoints: StateCheckpoints | None = None
         if config.num_state_checkpoints and block_manager.enable_prefix_caching:
             self.checkpoints = StateCheckpoints(config.num_state_checkpoints, config.max_num_seqs)
@@ -124,21 +136,26 @@ class Scheduler:
         ):
             request = self.waiting[0]
             hit, restore_from = self._match_prefix(request)
-            request.num_computed_tokens = len(hit) * self.block_size
-            num_new = self._chunk_size(request, budget)
             self.blocks.acquire(hit)
-            request.block_ids = list(hit)
-            request.num_sealed_blocks = len(hit)
+            restores = self._restore_from_host(request, len(hit))
+            request.block_ids = [*hit, *(block for _, block in restores)]
+            request.num_sealed_blocks = len(request.block_ids)
+            request.num_computed_tokens = len(request.block_ids) * self.block_size
+            num_new = self._chunk_size(request, budget)
             if num_new == 0 or not self._allocate(request, num_new):
                 self.blocks.release(request.block_ids)
                 self._reset(request)
                 break
             self.waiting.popleft()
+            step.restores += restores
+            for block_hash, block in restores:
+                self.blocks.seal(block, block_hash)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
                 request.first_scheduled_time = time.time()
                 self.counters.prefix_queries += request.num_tokens
                 self.counters.prefix_hits += request.num_computed_tokens
+                self.counters.prefix_hits_host += len(restores) * self.block_size
             request.status = RequestStatus.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
@@ -202,6 +219,26 @@ class Scheduler:
         blocks, slot = found
         return hit[:blocks], slot
 
+    def _restore_from_host(self, request: Request, device_hit: int) -> list[tuple[bytes, int]]:
+        """The blocks after the device hit that the host tier holds, each with a fresh device
+        block to copy it into (none if the pool is short)."""
+        if self.offload is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        found = []
+        for block_hash in request.block_hashes[device_hit:max_blocks]:
+            if not self.offload.contains(block_hash):
+                break
+            found.append(block_hash)
+        blocks = self.blocks.allocate(len(found)) if found else None
+        return list(zip(found, blocks, strict=True)) if blocks else []
+
+    def take_pending_stores(self) -> list[tuple[bytes, int]]:
+        """Blocks sealed since the last call, for the host tier (a full block is stored once
+        its step ran, before its device block can be reused)."""
+        stores, self.pending_stores = self.pending_stores, []
+        return stores
+
     def _allocate(self, request: Request, num_new: int) -> bool:
         total = request.num_computed_tokens + num_new
         needed = -(-total // self.block_size) - len(request.block_ids)
@@ -215,7 +252,7 @@ class Scheduler:
 
     def _seal_full_blocks(self, request: Request) -> None:
         """Publish blocks whose every token now has KV, so later prompts can reuse them."""
-        if not self.blocks.enable_prefix_caching:
+        if not self.blocks.hash_blocks:
             return
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= request.num_sealed_blocks:
@@ -223,6 +260,8 @@ class Scheduler:
         self.blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
         for index in range(request.num_sealed_blocks, num_full):
             self.blocks.seal(request.block_ids[index], request.block_hashes[index])
+            if self.offload is not None:
+                self.pending_stores.append((request.block_hashes[index], request.block_ids[index]))
         request.num_sealed_blocks = num_full
 
     def _preempt(self, request: Request) -> None:

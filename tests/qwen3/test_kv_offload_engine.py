@@ -1,0 +1,101 @@
+"""The host tier through the engine (Qwen3 on CPU): restored prefixes give cold-run outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine_harness import drain, greedy, make_engine, submit
+from tests.qwen3.hf_reference import VOCAB
+
+BLOCK = 4
+NEW = 8
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def setup(hf_checkpoints):
+    """The checkpoint, prompts, and each prompt's output from a cold engine."""
+    path = hf_checkpoints(False)
+    prompts = {name: prompt(n, seed) for seed, (name, n) in enumerate(
+        [("p", 41), ("q", 37), ("r", 50), ("s", 45)])}  # fmt: skip
+    cold = make_engine(path, enable_prefix_caching=False)
+    for name, tokens in prompts.items():
+        submit(cold, name, tokens, greedy(NEW))
+    return path, prompts, drain(cold)
+
+
+def offload_engine(path, **overrides):
+    # 40 device blocks of 4 tokens (two of the prompts at a time); a host tier of 64 blocks.
+    args = dict(num_kv_blocks=40, max_model_len=128, kv_offload=True,
+                kv_offload_gib=64 * 4096 / 2**30)  # fmt: skip
+    return make_engine(path, **(args | overrides))
+
+
+def run(engine, name, tokens) -> tuple[list[int], int]:
+    """Serve one request alone; its outputs and its cached tokens."""
+    submit(engine, name, tokens, greedy(NEW))
+    first = engine.step()
+    cached = engine.requests[name].num_cached_tokens if name in engine.requests else None
+    out = [t for o in first for t in o.new_token_ids] + drain(engine).get(name, [])
+    return out, cached
+
+
+def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(setup):
+    path, prompts, cold = setup
+    engine = offload_engine(path)
+    assert engine.offload.capacity == 64
+    run(engine, "p1", prompts["p"])
+    for name in ("q", "r", "s"):  # push p's blocks out of the 40-block device pool
+        run(engine, name, prompts[name])
+    hits_before = engine.scheduler.counters.prefix_hits_host
+    out, cached = run(engine, "p2", prompts["p"])
+    assert out == cold["p"]
+    assert cached == 40 and engine.scheduler.counters.prefix_hits_host - hits_before > 0
+    assert len(engine.offload) <= engine.offload.capacity
+    engine.block_manager.check_invariants()
+
+
+def test_host_tier_alone_with_the_device_cache_off(setup):
+    path, prompts, cold = setup
+    engine = offload_engine(path, enable_prefix_caching=False)
+    run(engine, "p1", prompts["p"])
+    out, cached = run(engine, "p2", prompts["p"])
+    assert out == cold["p"] and cached == 40
+    assert engine.scheduler.counters.prefix_hits_host == 40
+
+
+def test_two_requests_restoring_the_same_prefix_at_once(setup):
+    path, prompts, cold = setup
+    engine = offload_engine(path, enable_prefix_caching=False)
+    run(engine, "p1", prompts["p"])
+    submit(engine, "a", prompts["p"], greedy(NEW))
+    submit(engine, "b", prompts["p"], greedy(NEW))
+    assert drain(engine) == {"a": cold["p"], "b": cold["p"]}
+    assert engine.scheduler.counters.prefix_hits_host == 2 * 40
+
+
+def test_a_restore_racing_an_eviction_of_its_host_blocks(setup):
+    """A host tier that holds one prompt: p's blocks are restored in the step whose new blocks
+    (r's) evict them from the tier; the restore still reads p's blocks."""
+    path, prompts, cold = setup
+    engine = offload_engine(path, enable_prefix_caching=False, kv_offload_gib=12 * 4096 / 2**30)
+    run(engine, "p1", prompts["p"])
+    submit(engine, "p2", prompts["p"], greedy(NEW))
+    submit(engine, "r", prompts["r"], greedy(NEW))
+    out = drain(engine)
+    assert out == {"p2": cold["p"], "r": cold["r"]}
+    assert engine.scheduler.counters.prefix_hits_host > 0
+    assert len(engine.offload) <= 12
+
+
+def test_kv_offload_is_refused_for_models_with_recurrent_state(tmp_path):
+    from pegainfer.core.errors import ConfigError
+    from tests.qwen35.hf_reference import write_hf_checkpoint
+
+    path = write_hf_checkpoint(tmp_path, tie=True)
+    with pytest.raises(ConfigError, match="recurrent state"):
+        make_engine(path, kv_offload=True)
