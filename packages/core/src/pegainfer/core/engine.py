@@ -239,7 +239,7 @@ class EngineCore:
         if not prompt:
             raise InvalidRequestError("the prompt must contain at least one token", "prompt")
         vocab = self.config.vocab_size
-        if any(not (0 <= t < vocab) for t in prompt):
+        if min(prompt) < 0 or max(prompt) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         msg.params.validate(vocab)
         limit = self.config.max_model_len
