@@ -4,15 +4,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import EngineCore
 from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampling_params import SamplingParams
 
+# Engine arguments every test engine gets unless it overrides them; modules that run their
+# tests under both schedulers set "async_scheduling" here (see `both_schedulers`).
+DEFAULTS: dict[str, object] = {}
+
 
 def make_engine(path: Path, **overrides) -> EngineCore:
     args = dict(model=str(path), device="cpu", dtype="float32", max_model_len=512, block_size=4)
-    return EngineCore(EngineArgs(**(args | overrides)))
+    return EngineCore(EngineArgs(**(args | DEFAULTS | overrides)))
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def both_schedulers(request, monkeypatch):
+    """Run a test with the step-by-step scheduler and with async scheduling."""
+    monkeypatch.setitem(DEFAULTS, "async_scheduling", request.param)
+    return request.param
 
 
 def greedy(max_tokens: int) -> SamplingParams:

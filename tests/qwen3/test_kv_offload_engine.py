@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_harness import drain, greedy, make_engine, submit
+from tests.engine_harness import (
+    both_schedulers,  # noqa: F401 (a fixture)
+    drain,
+    greedy,
+    make_engine,
+    submit,
+)
 from tests.qwen3.hf_reference import VOCAB
+
+pytestmark = pytest.mark.usefixtures("both_schedulers")
 
 BLOCK = 4
 NEW = 8

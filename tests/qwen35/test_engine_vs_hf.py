@@ -5,8 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_harness import drain, generate, greedy, make_engine, submit
+from tests.engine_harness import (
+    both_schedulers,  # noqa: F401 (a fixture)
+    drain,
+    generate,
+    greedy,
+    make_engine,
+    submit,
+)
 from tests.qwen35.hf_reference import VOCAB, load_hf, write_hf_checkpoint
+
+pytestmark = pytest.mark.usefixtures("both_schedulers")
 
 NEW_TOKENS = 16
 

@@ -81,6 +81,12 @@ class EngineArgs:
     enforce_eager: bool = _arg(
         False, "Run decode steps eagerly instead of replaying CUDA graphs.", "--enforce-eager"
     )
+    async_scheduling: bool = _arg(
+        False,
+        "Schedule and launch each step before the previous step's tokens reach the host, so "
+        "the host's work overlaps the GPU's (a request that stops costs one wasted row).",
+        "--async-scheduling",
+    )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
 
     def validate(self) -> EngineArgs:

@@ -82,6 +82,29 @@ def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> to
     return torch.float16 if declared == "float16" else torch.bfloat16
 
 
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled tokens have not reached the host."""
+
+    step: SchedulerStep
+    tokens: torch.Tensor  # one per sampling chunk, on the device
+    rows: dict[int, int]  # id(request) -> its row in `tokens`
+
+    def feed(self, step: SchedulerStep, batch: ForwardBatch) -> None:
+        """Give the next step the tokens it needs from this one, device to device: a request
+        scheduled with a pending token (the one this step samples) has it as its last input."""
+        rows, sources = [], []
+        starts = batch.query_start_loc_cpu.tolist()
+        for i, chunk in enumerate(step.chunks):
+            if chunk.request.num_pending:
+                rows.append(starts[i + 1] - 1)
+                sources.append(self.rows[id(chunk.request)])
+        if rows:
+            device = batch.input_ids.device
+            index = torch.tensor(sources, device=device)
+            batch.input_ids[torch.tensor(rows, device=device)] = self.tokens[index]
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
         args.validate()
@@ -201,6 +224,8 @@ class EngineCore:
         self.scheduler = line.scheduler_class()(scheduler_config, self.block_manager, self.offload)
         self.generator = torch.Generator(device).manual_seed(args.seed)
         self.requests: dict[str, Request] = {}
+        self.async_scheduling = args.async_scheduling
+        self._in_flight: _Launched | None = None
 
     def _default_num_blocks(
         self,
@@ -228,10 +253,6 @@ class EngineCore:
         return plan_gpu_kv(
             specs, args.gpu_memory_utilization, peak + state_bytes, device
         ).num_blocks
-
-    @property
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
 
     def check_request(self, msg: EngineRequest) -> int:
         """Validate a request against the model; return its resolved max_tokens."""
@@ -280,11 +301,29 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch and report what each touched request produced."""
+        """Run one scheduled batch and report what each touched request produced.
+
+        With async scheduling the step launched here is reported by the next call: this call
+        schedules and launches step N+1, then waits for step N's tokens while the GPU runs
+        N+1, so the host's work for a step overlaps the GPU's work for the one before.
+        """
         step = self.scheduler.schedule()
-        if not step.chunks:
-            return []
+        launched = self._launch(step) if step.chunks else None
+        if not self.async_scheduling:
+            return self._commit(launched) if launched is not None else []
+        outputs = self._commit(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = launched
+        return outputs
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._in_flight is not None
+
+    def _launch(self, step: SchedulerStep) -> _Launched:
+        """Queue the step's forward and sampling on the device; nothing waits for the GPU."""
         batch = self._forward_batch(step)
+        if self._in_flight is not None:
+            self._in_flight.feed(step, batch)
         if self.offload is not None:
             for block_hash, block in step.restores:
                 self.offload.load(block_hash, self.kv_cache, block)
@@ -295,12 +334,19 @@ class EngineCore:
             self.model.prepare(batch)
             logits = self.model(batch, self.kv_cache)
         samplers = [c.request for c in step.chunks if c.samples]
-        token_ids = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
+        tokens = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
+        self.scheduler.advance(step)
+        return _Launched(step, tokens, {id(r): row for row, r in enumerate(samplers)})
+
+    def _commit(self, launched: _Launched) -> list[RequestOutput]:
+        """Bring a launched step's tokens to the host (the step's one device-to-host copy) and
+        report them."""
+        token_ids = launched.tokens.tolist()
         outputs = []
-        for request in self.scheduler.update(step, token_ids):
-            outputs.append(self._output(request, request.token_ids[-1:]))
+        for request in self.scheduler.commit(launched.step, token_ids):
+            outputs.append(self._output(request, [token_ids[launched.rows[id(request)]]]))
             if request.finished:
-                del self.requests[request.request_id]
+                self.requests.pop(request.request_id, None)
         if self.offload is not None:
             # After this step's forward on the GPU; before the next step reuses the blocks.
             for block_hash, block in self.scheduler.take_pending_stores():

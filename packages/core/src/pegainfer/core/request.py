@@ -37,6 +37,7 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.slot: int | None = None  # its state slot while running (recurrent layers)
+        self.num_pending = 0  # sampled tokens not yet on the host (trailing PENDING ids)
         self.block_hashes: list[bytes] = []
         self.num_sealed_blocks = 0
         self.num_cached_tokens = -1  # set at first admission
@@ -45,9 +46,17 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
 
+    #: Stands in token_ids for a token sampled by a step still on the GPU (async scheduling).
+    PENDING = -1
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (all but those still being sampled)."""
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
@@ -65,8 +74,27 @@ class Request:
 
     def append_token(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token and decide whether it ends the request."""
-        self.token_ids.append(token_id)
-        if token_id in self.stop_token_ids and self.num_output_tokens >= self.params.min_tokens:
+        self.reserve_token()
+        self.commit_token(token_id, max_model_len)
+
+    def reserve_token(self) -> None:
+        """A step that samples this request's next token was launched; its id comes later."""
+        self.token_ids.append(self.PENDING)
+        self.num_pending += 1
+
+    def commit_token(self, token_id: int, max_model_len: int) -> None:
+        """The oldest pending token's id arrived: record it and decide whether it ends the
+        request (counting only tokens up to it, not those sampled after it)."""
+        index = len(self.token_ids) - self.num_pending
+        self.token_ids[index] = token_id
+        self.num_pending -= 1
+        outputs = index + 1 - self.num_prompt_tokens
+        if token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
             self.finish_reason, self.stop_token_id = "stop", token_id
-        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        elif outputs >= self.max_tokens or index + 1 >= max_model_len:
             self.finish_reason = "length"
+
+    def at_limit(self, max_model_len: int) -> bool:
+        """Whether the tokens sampled so far (pending ones too) already end the request by
+        length, so no further step should be scheduled for it."""
+        return self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len

@@ -102,12 +102,13 @@ def sample_requests(
     requests: Sequence[Request],
     vocab_size: int,
     default_generator: torch.Generator,
-) -> list[int]:
-    """One token per request (rows of `logits` in request order), copied to the host once.
+) -> torch.Tensor:
+    """One token per request (rows of `logits` in request order), on the logits' device: the
+    caller copies them to the host once, when it needs them.
 
     All-greedy batches without banned tokens skip building per-row parameters.
     """
     if all(r.params.greedy and not r.banned_token_ids() for r in requests):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     batch = SamplingBatch.from_requests(requests, vocab_size, default_generator, logits.device)
-    return sample(logits, batch).tolist()
+    return sample(logits, batch)

@@ -113,7 +113,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk_size(request, budget)
+            # A request whose pending tokens reach its length limit has nothing left to run.
+            capped = request.num_pending and request.at_limit(self.config.max_model_len)
+            num_new = 0 if capped else self._chunk_size(request, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -167,20 +169,39 @@ class Scheduler:
 
     def update(self, step: SchedulerStep, sampled: Iterable[int]) -> list[Request]:
         """Advance every scheduled request; return those that got a token or finished."""
-        tokens = iter(sampled)
-        touched: list[Request] = []
+        self.advance(step)
+        return self.commit(step, sampled)
+
+    def advance(self, step: SchedulerStep) -> None:
+        """The step was launched: its tokens count as computed and each sampling request has a
+        pending token, so the next step can be scheduled before the ids reach the host."""
         for chunk in step.chunks:
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
+            chunk.request.num_computed_tokens += chunk.num_tokens
             if chunk.snapshot is not None and self.checkpoints is not None:
                 _, slot, block_hash = chunk.snapshot
                 self.checkpoints.publish(block_hash, slot)
             if chunk.samples:
-                request.append_token(next(tokens), self.config.max_model_len)
+                chunk.request.reserve_token()
+
+    def commit(self, step: SchedulerStep, sampled: Iterable[int]) -> list[Request]:
+        """The step's sampled ids arrived (one per sampling chunk): record them, finish the
+        requests they end; return the requests that got a token. A request aborted or finished
+        while the step was in flight drops its token."""
+        tokens = iter(sampled)
+        touched: list[Request] = []
+        for chunk in step.chunks:
+            request = chunk.request
+            token = next(tokens) if chunk.samples else None
+            if request.status is RequestStatus.FINISHED:
+                continue
+            if token is not None:
+                request.commit_token(token, self.config.max_model_len)
                 touched.append(request)
-            self._seal_full_blocks(request)
+            if request.status is RequestStatus.RUNNING:
+                self._seal_full_blocks(request)
             if request.finish_reason is not None:
-                self.running.remove(request)
+                queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
+                queue.remove(request)
                 self._finish(request, request.finish_reason)
         return touched
 
@@ -254,10 +275,14 @@ class Scheduler:
         """Publish blocks whose every token now has KV, so later prompts can reuse them."""
         if not self.blocks.hash_blocks:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        known = min(request.num_computed_tokens, request.num_known_tokens)
+        num_full = known // self.block_size
         if num_full <= request.num_sealed_blocks:
             return
-        self.blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
+        ids = request.token_ids
+        if request.num_pending:
+            ids = ids[: request.num_known_tokens]
+        self.blocks.extend_block_hashes(ids, request.block_hashes, request.cache_salt)
         for index in range(request.num_sealed_blocks, num_full):
             self.blocks.seal(request.block_ids[index], request.block_hashes[index])
             if self.offload is not None:
