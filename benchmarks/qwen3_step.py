@@ -246,6 +246,10 @@ def main() -> None:
         "--mixed-prompt", type=int, default=0,
         help="also time decode steps that prefill one new prompt of this many tokens",
     )  # fmt: skip
+    parser.add_argument(
+        "--async-scheduling", action="store_true",
+        help="engine with --async-scheduling: a step's host work overlaps the previous step",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--profile", default="", help="batch sizes whose steps get a kernel profile beside --out"
@@ -274,6 +278,7 @@ def main() -> None:
             ),
             max_num_batched_tokens=max(prefills),
             enable_prefix_caching=True,  # as served; the timed prompts are all distinct
+            async_scheduling=args.async_scheduling,
         ))  # fmt: skip
         load_s = time.perf_counter() - started
 
@@ -323,7 +328,8 @@ def main() -> None:
         "measured_copy_bandwidth_GBps": bandwidth / 1e9,
         "measured_bf16_matmul_TFLOPs": flops / 1e12,
         "weight_bytes": weight_bytes, "engine_load_s": load_s,
-        "num_kv_blocks": engine.config.num_kv_blocks, "decode": decode, "prefill": prefill,
+        "num_kv_blocks": engine.config.num_kv_blocks, "async_scheduling": args.async_scheduling,
+        "decode": decode, "prefill": prefill,
         "prefix_hit": prefix_hit,
     }  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2))

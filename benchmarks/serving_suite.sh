@@ -8,6 +8,7 @@
 # start-up and idle memory (warm caches; COLD=1 adds one run with empty kernel caches), and
 # against one server: the warm-prefix ladder, the 1k/128 sweep over RATES (SWEEP_SECONDS of
 # arrivals per rate), concurrency 1 at 4k/64 and, with MULTITURN=1, the multi-turn run.
+# EXTRA_SERVER_ARGS (e.g. "--async-scheduling --kv-offload") go to every server it starts.
 # Every step has a time limit, so one that hangs costs only its own results.
 set -u
 SHAPE=$1
@@ -15,7 +16,7 @@ OUT=$2
 RATES=${RATES:-1,4,8,16,24,32}
 SWEEP_SECONDS=${SWEEP_SECONDS:-15}
 MODEL=${MODEL_DIR:-/tmp/$SHAPE}
-SERVER_ARGS="--max-model-len 20480"
+SERVER_ARGS="--max-model-len 20480 ${EXTRA_SERVER_ARGS:-}"
 export PEGAINFER_REVISION=${PEGAINFER_REVISION:-$(git rev-parse HEAD 2>/dev/null)}
 mkdir -p "$OUT"
 t0=$(date +%s)
