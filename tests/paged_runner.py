@@ -13,10 +13,14 @@ BLOCK = 4
 class PagedRunner:
     """Feeds chunks of several sequences through a model (paged KV, a state slot each)."""
 
-    def __init__(self, model, num_blocks: int = 64, num_slots: int = 8) -> None:
+    def __init__(
+        self, model, num_blocks: int = 64, num_slots: int = 8, device: str = "cpu"
+    ) -> None:
         self.model = model
-        cpu = torch.device("cpu")
-        self.kv = KVCache(model.kv_arenas(BLOCK), num_blocks, cpu, model.state_arenas(), num_slots)
+        self.device = torch.device(device)
+        self.kv = KVCache(
+            model.kv_arenas(BLOCK), num_blocks, self.device, model.state_arenas(), num_slots
+        )
         # Hand out blocks and slots in a scrambled order so contiguity cannot hide table bugs.
         self.free = list(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)))
         self.free_slots = list(
@@ -43,10 +47,10 @@ class PagedRunner:
             block_tables=[self.tables[n] for n in chunks],
             sample_mask=[True] * len(chunks),
             block_size=BLOCK,
-            device=torch.device("cpu"),
+            device=self.device,
             state_slots=[self.slots[n] for n in chunks],
         )
-        batch.logits_indices = torch.arange(batch.num_tokens)
+        batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
         self.model.prepare(batch)
         with torch.inference_mode():
             logits = self.model(batch, self.kv)
