@@ -118,3 +118,23 @@ def test_no_checkpoints_means_no_prefix_caching(reference):
         submit(engine, str(attempt), batch[-1], greedy(NEW_TOKENS))
         assert drain(engine)[str(attempt)] == expected[-1]
     assert engine.scheduler.counters.prefix_hits == 0
+
+
+def test_abort_mid_generation_frees_the_slot_for_the_next_request(reference):
+    """Two sequences at a time: aborting one mid-generation hands its slot and blocks to the
+    waiting request, which starts from a clean state; the others are unchanged."""
+    path, batch, expected, _ = reference
+    engine = make_engine(path, max_num_seqs=2)
+    for i in (2, 3, 4):
+        submit(engine, str(i), batch[i], greedy(NEW_TOKENS))
+    outputs: dict[str, list[int]] = {}
+    aborted = False
+    while engine.has_unfinished_requests:
+        if not aborted and len(outputs.get("2", [])) >= 3:
+            engine.abort(["2"])
+            aborted = True
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert outputs["2"] == expected[2][:3]
+    assert outputs["3"] == expected[3] and outputs["4"] == expected[4]
+    assert engine.block_manager.usage == 0.0 and not engine.scheduler.running
