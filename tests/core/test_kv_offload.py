@@ -33,7 +33,7 @@ def test_a_block_comes_back_in_every_arena():
     for arena in cache.arenas.values():
         arena[:, 3] = 0
     assert tier.contains(b"h3") and not tier.contains(b"other")
-    tier.load(b"h3", cache, 6)
+    assert tier.ready(tier.load([(b"h3", 6)], cache))
     assert all(torch.equal(a, b) for a, b in zip(block(cache, 6), original, strict=True))
 
 
@@ -61,11 +61,11 @@ def test_least_recently_used_goes_first():
 
 
 def test_a_load_before_its_slot_is_reused_reads_the_old_block():
-    """Copies run in the order asked: the restore of `a` precedes the store that evicts it."""
+    """The restore of `a` reads its slot before the store that evicts it reuses the slot."""
     cache, tier = filled_cache(), HostMemoryTier(SPECS, 1, CPU)
     original = block(cache, 0)
     tier.store(b"a", cache, 0)
-    tier.load(b"a", cache, 5)
+    tier.load([(b"a", 5)], cache)
     tier.store(b"b", cache, 1)  # evicts a and reuses its slot
     assert all(torch.equal(x, y) for x, y in zip(block(cache, 5), original, strict=True))
     assert not tier.contains(b"a") and tier.contains(b"b")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pegainfer.core.kv_offload import OffloadBackend
 from tests.engine_harness import (
     both_schedulers,  # noqa: F401 (a fixture)
     drain,
@@ -107,3 +108,67 @@ def test_kv_offload_is_refused_for_models_with_recurrent_state(tmp_path):
     path = write_hf_checkpoint(tmp_path, tie=True)
     with pytest.raises(ConfigError, match="recurrent state"):
         make_engine(path, kv_offload=True)
+
+
+class SlowLoads(OffloadBackend):
+    """The engine's host tier, except that a load lands only after `delay` polls."""
+
+    def __init__(self, inner: OffloadBackend, delay: int) -> None:
+        self.inner, self.delay, self.polls = inner, delay, {}
+
+    def contains(self, block_hash):
+        return self.inner.contains(block_hash)
+
+    def store(self, block_hash, cache, block_id):
+        self.inner.store(block_hash, cache, block_id)
+
+    def load(self, blocks, cache):
+        return self.inner.load(blocks, cache)
+
+    def ready(self, transfer):
+        self.polls[id(transfer)] = self.polls.get(id(transfer), 0) + 1
+        return self.polls[id(transfer)] > self.delay and self.inner.ready(transfer)
+
+    def wait(self, transfer):
+        self.inner.wait(transfer)
+
+    def evict(self, block_hash):
+        self.inner.evict(block_hash)
+
+    def before_step(self):
+        self.inner.before_step()
+
+
+def slow(engine, delay: int) -> None:
+    engine.offload = engine.scheduler.offload = SlowLoads(engine.offload, delay)
+
+
+def test_other_requests_run_while_a_restore_is_in_flight(setup):
+    path, prompts, cold = setup
+    engine = offload_engine(path, enable_prefix_caching=False)
+    run(engine, "p1", prompts["p"])
+    slow(engine, delay=4)
+    submit(engine, "restoring", prompts["p"], greedy(NEW))
+    submit(engine, "fresh", prompts["q"], greedy(NEW))
+    order, outputs = [], {}
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            order.append(output.request_id)
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert outputs == {"restoring": cold["p"], "fresh": cold["q"]}
+    assert order.index("fresh") < order.index("restoring")  # nobody waited for the copy
+    assert engine.scheduler.counters.prefix_hits_host == 40
+
+
+def test_abort_while_the_blocks_are_arriving(setup):
+    path, prompts, cold = setup
+    engine = offload_engine(path, enable_prefix_caching=False)
+    run(engine, "p1", prompts["p"])
+    slow(engine, delay=100)
+    submit(engine, "restoring", prompts["p"], greedy(NEW))
+    engine.step()
+    engine.step()
+    engine.abort(["restoring"])
+    assert run(engine, "after", prompts["r"])[0] == cold["r"]
+    assert engine.block_manager.usage == 0.0
+    engine.block_manager.check_invariants()

@@ -308,6 +308,8 @@ class EngineCore:
         N+1, so the host's work for a step overlaps the GPU's work for the one before.
         """
         step = self.scheduler.schedule()
+        for request, blocks in step.restores:
+            request.restore = self.offload.load(blocks, self.kv_cache)
         launched = self._launch(step) if step.chunks else None
         if not self.async_scheduling:
             return self._commit(launched) if launched is not None else []
@@ -325,8 +327,6 @@ class EngineCore:
         if self._in_flight is not None:
             self._in_flight.feed(step, batch)
         if self.offload is not None:
-            for block_hash, block in step.restores:
-                self.offload.load(block_hash, self.kv_cache, block)
             self.offload.before_step()
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)

@@ -6,13 +6,14 @@ moves (it owns the hashes and the device blocks); the tier holds the bytes. Ever
 model declared is stored (K/V for GQA, a latent for MLA): a block's entry is its slice of each.
 
 The tier sits behind `OffloadBackend`, so a store shared across machines can replace the
-in-process host memory without touching the scheduler. Copies run on one side stream in the
-order they were asked for: a load from a slot is always enqueued before the store that reuses
-the slot after an eviction, so a restore racing an eviction reads the old bytes.
+in-process host memory without touching the scheduler. Loads are asynchronous: a restoring
+request waits (holding its blocks) while the others keep running, and computes once its blocks
+have landed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 
@@ -24,7 +25,12 @@ BlockHash = bytes
 
 
 class OffloadBackend(ABC):
-    """Where blocks go when they leave the GPU: store, load, contains, evict, by prefix hash."""
+    """Where blocks go when they leave the GPU: store, load, contains, evict, by prefix hash.
+
+    Loads are asynchronous: `load` returns a transfer that the scheduler polls with `ready`
+    before the request computes; `wait` orders later GPU work after it without blocking the
+    host (for a request that leaves while its blocks are still arriving).
+    """
 
     @abstractmethod
     def contains(self, block_hash: BlockHash) -> bool:
@@ -35,8 +41,16 @@ class OffloadBackend(ABC):
         """Keep a copy of device block `block_id` (every arena) under `block_hash`."""
 
     @abstractmethod
-    def load(self, block_hash: BlockHash, cache: KVCache, block_id: int) -> None:
-        """Copy the stored block into device block `block_id`; the next step sees it."""
+    def load(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> Transfer:
+        """Start copying stored blocks into device blocks: (hash, device block) pairs."""
+
+    @abstractmethod
+    def ready(self, transfer: Transfer) -> bool:
+        """Whether a load has landed, so steps may read its blocks."""
+
+    @abstractmethod
+    def wait(self, transfer: Transfer) -> None:
+        """Order the GPU work queued from now on after this load."""
 
     @abstractmethod
     def evict(self, block_hash: BlockHash) -> None:
@@ -44,11 +58,27 @@ class OffloadBackend(ABC):
 
     @abstractmethod
     def before_step(self) -> None:
-        """Order the step's GPU work after every copy asked for so far."""
+        """Order the step's GPU work after the stores asked for so far (their device blocks may
+        be reused by this step)."""
+
+
+class Transfer:
+    """A load in flight: done at once on the CPU, an event on the GPU."""
+
+    def __init__(self, event: torch.cuda.Event | None = None) -> None:
+        self.event = event
+
+    @property
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 class HostMemoryTier(OffloadBackend):
-    """`capacity` blocks of pinned host memory (allocated up front), least recently used out."""
+    """`capacity` blocks of pinned host memory (allocated up front), least recently used out.
+
+    Stores and loads run on two side streams. A store that reuses an evicted slot first waits
+    for the loads still reading that slot, so a restore racing an eviction reads the old block.
+    """
 
     def __init__(self, specs: list[ArenaSpec], capacity: int, device: torch.device) -> None:
         if capacity < 1:
@@ -65,7 +95,10 @@ class HostMemoryTier(OffloadBackend):
         self.nbytes = capacity * bytes_per_block(specs)
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self._free = list(range(capacity - 1, -1, -1))
-        self._stream = torch.cuda.Stream(device) if cuda else None
+        self._device = device if cuda else None
+        self._store_stream = torch.cuda.Stream(device) if cuda else None
+        self._load_stream = torch.cuda.Stream(device) if cuda else None
+        self._reading: dict[int, torch.cuda.Event] = {}  # slot -> the last load reading it
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -85,12 +118,36 @@ class HostMemoryTier(OffloadBackend):
             self._free.append(slot)
         slot = self._free.pop()
         self._slots[block_hash] = slot
-        self._copy(lambda name: (self.arenas[name][slot], cache[name][:, block_id]))
+        reading = self._reading.pop(slot, None)
+        if reading is not None and self._store_stream is not None:
+            self._store_stream.wait_event(reading)
+        with self._on(self._store_stream):
+            for name, arena in self.arenas.items():
+                arena[slot].copy_(cache[name][:, block_id], non_blocking=True)
 
-    def load(self, block_hash: BlockHash, cache: KVCache, block_id: int) -> None:
-        slot = self._slots[block_hash]
-        self._slots.move_to_end(block_hash)
-        self._copy(lambda name: (cache[name][:, block_id], self.arenas[name][slot]))
+    def load(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> Transfer:
+        slots = []
+        for block_hash, _ in blocks:
+            slots.append(self._slots[block_hash])
+            self._slots.move_to_end(block_hash)
+        with self._on(self._load_stream):
+            for slot, (_, block_id) in zip(slots, blocks, strict=True):
+                for name, arena in self.arenas.items():
+                    cache[name][:, block_id].copy_(arena[slot], non_blocking=True)
+        if self._load_stream is None:
+            return Transfer()
+        event = torch.cuda.Event()
+        event.record(self._load_stream)
+        for slot in slots:
+            self._reading[slot] = event
+        return Transfer(event)
+
+    def ready(self, transfer: Transfer) -> bool:
+        return transfer.done
+
+    def wait(self, transfer: Transfer) -> None:
+        if transfer.event is not None:
+            torch.cuda.current_stream(self._device).wait_event(transfer.event)
 
     def evict(self, block_hash: BlockHash) -> None:
         slot = self._slots.pop(block_hash, None)
@@ -98,19 +155,12 @@ class HostMemoryTier(OffloadBackend):
             self._free.append(slot)
 
     def before_step(self) -> None:
-        if self._stream is not None:
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        if self._store_stream is not None:
+            torch.cuda.current_stream(self._device).wait_stream(self._store_stream)
 
-    def _copy(self, pair) -> None:
-        """Copy every arena's block (`pair(name)` gives destination and source), on the side
-        stream after the GPU work queued so far, or at once on the CPU."""
-        if self._stream is None:
-            for name in self.arenas:
-                dst, src = pair(name)
-                dst.copy_(src)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        with torch.cuda.stream(self._stream):
-            for name in self.arenas:
-                dst, src = pair(name)
-                dst.copy_(src, non_blocking=True)
+    def _on(self, stream: torch.cuda.Stream | None):
+        """Run copies on `stream` after the GPU work queued so far (at once on the CPU)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        return torch.cuda.stream(stream)

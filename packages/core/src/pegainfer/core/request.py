@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class Request:
         self.block_ids: list[int] = []
         self.slot: int | None = None  # its state slot while running (recurrent layers)
         self.num_pending = 0  # sampled tokens not yet on the host (trailing PENDING ids)
+        self.restore: Any = None  # its blocks' copy from the host tier, while in flight
         self.block_hashes: list[bytes] = []
         self.num_sealed_blocks = 0
         self.num_cached_tokens = -1  # set at first admission

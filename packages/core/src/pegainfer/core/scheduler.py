@@ -48,8 +48,9 @@ class ScheduledChunk:
 class SchedulerStep:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    #: Blocks to copy back from the host tier before the step runs: (prefix hash, device block).
-    restores: list[tuple[bytes, int]] = field(default_factory=list)
+    #: Requests admitted with blocks to copy back from the host tier: (prefix hash, device
+    #: block) pairs each. They compute in a later step, once the copies have landed.
+    restores: list[tuple[Request, list[tuple[bytes, int]]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +114,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.restore is not None:
+                if not self.offload.ready(request.restore):
+                    i += 1  # its blocks are still arriving from the host tier
+                    continue
+                request.restore = None
             # A request whose pending tokens reach its length limit has nothing left to run.
             capped = request.num_pending and request.at_limit(self.config.max_model_len)
             num_new = 0 if capped else self._chunk_size(request, budget)
@@ -149,7 +155,6 @@ class Scheduler:
                 self._reset(request)
                 break
             self.waiting.popleft()
-            step.restores += restores
             for block_hash, block in restores:
                 self.blocks.seal(block, block_hash)
             if request.num_cached_tokens < 0:
@@ -161,6 +166,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
+            if restores:  # it waits for its blocks while the others run
+                step.restores.append((request, restores))
+                continue
             chunk = self._chunk(request, num_new)
             chunk.restore_from = restore_from
             step.chunks.append(chunk)
@@ -289,7 +297,15 @@ class Scheduler:
                 self.pending_stores.append((request.block_hashes[index], request.block_ids[index]))
         request.num_sealed_blocks = num_full
 
+    def _settle_restore(self, request: Request) -> None:
+        """A request leaving while its blocks arrive: later GPU work waits for the copies, so
+        the blocks can be handed out again at once."""
+        if request.restore is not None:
+            self.offload.wait(request.restore)
+            request.restore = None
+
     def _preempt(self, request: Request) -> None:
+        self._settle_restore(request)
         self.blocks.release(request.block_ids)
         self._release_slot(request)
         self._reset(request)
@@ -309,6 +325,7 @@ class Scheduler:
             request.slot = None
 
     def _finish(self, request: Request, reason: str) -> None:
+        self._settle_restore(request)
         self.blocks.release(request.block_ids)
         self._release_slot(request)
         request.block_ids = []
