@@ -29,7 +29,7 @@ def block(cache: KVCache, block_id: int) -> list[torch.Tensor]:
 def test_a_block_comes_back_in_every_arena():
     cache, tier = filled_cache(), HostMemoryTier(SPECS, 4, CPU)
     original = block(cache, 3)
-    tier.store(b"h3", cache, 3)
+    tier.store([(b"h3", 3)], cache)
     for arena in cache.arenas.values():
         arena[:, 3] = 0
     assert tier.contains(b"h3") and not tier.contains(b"other")
@@ -44,17 +44,17 @@ def test_capacity_is_allocated_up_front_and_never_exceeded():
     assert sum(t.numel() * t.element_size() for t in tier.arenas.values()) == tier.nbytes
     cache = filled_cache()
     for i in range(8):
-        tier.store(bytes([i]), cache, i)
+        tier.store([(bytes([i]), i)], cache)
         assert len(tier) <= 3
     assert [tier.contains(bytes([i])) for i in range(8)] == [False] * 5 + [True] * 3
 
 
 def test_least_recently_used_goes_first():
     cache, tier = filled_cache(), HostMemoryTier(SPECS, 2, CPU)
-    tier.store(b"a", cache, 0)
-    tier.store(b"b", cache, 1)
+    tier.store([(b"a", 0)], cache)
+    tier.store([(b"b", 1)], cache)
     assert tier.contains(b"a")  # a use: b is now the oldest
-    tier.store(b"c", cache, 2)
+    tier.store([(b"c", 2)], cache)
     assert tier.contains(b"a") and tier.contains(b"c") and not tier.contains(b"b")
     tier.evict(b"a")
     assert not tier.contains(b"a") and len(tier) == 1
@@ -64,8 +64,8 @@ def test_a_load_before_its_slot_is_reused_reads_the_old_block():
     """The restore of `a` reads its slot before the store that evicts it reuses the slot."""
     cache, tier = filled_cache(), HostMemoryTier(SPECS, 1, CPU)
     original = block(cache, 0)
-    tier.store(b"a", cache, 0)
+    tier.store([(b"a", 0)], cache)
     tier.load([(b"a", 5)], cache)
-    tier.store(b"b", cache, 1)  # evicts a and reuses its slot
+    tier.store([(b"b", 1)], cache)  # evicts a and reuses its slot
     assert all(torch.equal(x, y) for x, y in zip(block(cache, 5), original, strict=True))
     assert not tier.contains(b"a") and tier.contains(b"b")

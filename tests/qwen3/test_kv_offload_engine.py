@@ -119,8 +119,8 @@ class SlowLoads(OffloadBackend):
     def contains(self, block_hash):
         return self.inner.contains(block_hash)
 
-    def store(self, block_hash, cache, block_id):
-        self.inner.store(block_hash, cache, block_id)
+    def store(self, blocks, cache):
+        self.inner.store(blocks, cache)
 
     def load(self, blocks, cache):
         return self.inner.load(blocks, cache)
@@ -135,8 +135,8 @@ class SlowLoads(OffloadBackend):
     def evict(self, block_hash):
         self.inner.evict(block_hash)
 
-    def before_step(self):
-        self.inner.before_step()
+    def before_step(self, reused_blocks):
+        self.inner.before_step(reused_blocks)
 
 
 def slow(engine, delay: int) -> None:

@@ -75,6 +75,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}
         self._block_to_hash: dict[int, BlockHash] = {}
+        self._handed_out: list[int] = []  # since the last take_handed_out()
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,7 +147,14 @@ class BlockManager:
                 del self._hash_to_block[self._block_to_hash.pop(block_id)]
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        self._handed_out += block_ids
         return block_ids
+
+    def take_handed_out(self) -> list[int]:
+        """Blocks `allocate` returned since the last call (whose old contents a copy out to a
+        host tier may still be reading)."""
+        blocks, self._handed_out = self._handed_out, []
+        return blocks
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each of `block_ids` (one sequence's blocks, in order).

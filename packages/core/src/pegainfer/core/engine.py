@@ -327,7 +327,7 @@ class EngineCore:
         if self._in_flight is not None:
             self._in_flight.feed(step, batch)
         if self.offload is not None:
-            self.offload.before_step()
+            self.offload.before_step(self.block_manager.take_handed_out())
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
         else:
@@ -349,8 +349,7 @@ class EngineCore:
                 self.requests.pop(request.request_id, None)
         if self.offload is not None:
             # After this step's forward on the GPU; before the next step reuses the blocks.
-            for block_hash, block in self.scheduler.take_pending_stores():
-                self.offload.store(block_hash, self.kv_cache, block)
+            self.offload.store(self.scheduler.take_pending_stores(), self.kv_cache)
         return outputs
 
     def _forward_batch(self, step: SchedulerStep) -> ForwardBatch:

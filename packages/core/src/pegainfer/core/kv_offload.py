@@ -37,8 +37,8 @@ class OffloadBackend(ABC):
         """Whether `load` can bring this block back (counts as a use for eviction order)."""
 
     @abstractmethod
-    def store(self, block_hash: BlockHash, cache: KVCache, block_id: int) -> None:
-        """Keep a copy of device block `block_id` (every arena) under `block_hash`."""
+    def store(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> None:
+        """Keep copies of device blocks (every arena): (hash, device block) pairs."""
 
     @abstractmethod
     def load(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> Transfer:
@@ -57,9 +57,9 @@ class OffloadBackend(ABC):
         """Forget a stored block."""
 
     @abstractmethod
-    def before_step(self) -> None:
-        """Order the step's GPU work after the stores asked for so far (their device blocks may
-        be reused by this step)."""
+    def before_step(self, reused_blocks: list[int]) -> None:
+        """Order the step's GPU work after the stores still reading any of `reused_blocks`
+        (device blocks handed out again since the last step); other stores keep running."""
 
 
 class Transfer:
@@ -77,7 +77,8 @@ class HostMemoryTier(OffloadBackend):
     """`capacity` blocks of pinned host memory (allocated up front), least recently used out.
 
     Stores and loads run on two side streams. A store that reuses an evicted slot first waits
-    for the loads still reading that slot, so a restore racing an eviction reads the old block.
+    for the loads still reading that slot, so a restore racing an eviction reads the old block;
+    a step waits only for the stores of device blocks it was handed again.
     """
 
     def __init__(self, specs: list[ArenaSpec], capacity: int, device: torch.device) -> None:
@@ -99,6 +100,7 @@ class HostMemoryTier(OffloadBackend):
         self._store_stream = torch.cuda.Stream(device) if cuda else None
         self._load_stream = torch.cuda.Stream(device) if cuda else None
         self._reading: dict[int, torch.cuda.Event] = {}  # slot -> the last load reading it
+        self._storing: dict[int, torch.cuda.Event] = {}  # device block -> its store's event
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -109,27 +111,41 @@ class HostMemoryTier(OffloadBackend):
         self._slots.move_to_end(block_hash)
         return True
 
-    def store(self, block_hash: BlockHash, cache: KVCache, block_id: int) -> None:
-        if block_hash in self._slots:
-            self._slots.move_to_end(block_hash)
+    def store(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> None:
+        copies = []
+        for block_hash, block_id in blocks:
+            if block_hash in self._slots:
+                self._slots.move_to_end(block_hash)
+                continue
+            if not self._free:
+                _, slot = self._slots.popitem(last=False)
+                self._free.append(slot)
+            slot = self._free.pop()
+            self._slots[block_hash] = slot
+            reading = self._reading.pop(slot, None)
+            if reading is not None and self._store_stream is not None:
+                self._store_stream.wait_event(reading)
+            copies.append((slot, block_id))
+        if not copies:
             return
-        if not self._free:
-            _, slot = self._slots.popitem(last=False)
-            self._free.append(slot)
-        slot = self._free.pop()
-        self._slots[block_hash] = slot
-        reading = self._reading.pop(slot, None)
-        if reading is not None and self._store_stream is not None:
-            self._store_stream.wait_event(reading)
         with self._on(self._store_stream):
-            for name, arena in self.arenas.items():
-                arena[slot].copy_(cache[name][:, block_id], non_blocking=True)
+            for slot, block_id in copies:
+                for name, arena in self.arenas.items():
+                    arena[slot].copy_(cache[name][:, block_id], non_blocking=True)
+        if self._store_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._store_stream)
+            self._storing.update(dict.fromkeys((block_id for _, block_id in copies), event))
 
     def load(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> Transfer:
         slots = []
-        for block_hash, _ in blocks:
+        for block_hash, block_id in blocks:
             slots.append(self._slots[block_hash])
             self._slots.move_to_end(block_hash)
+            # The target block's old contents may still be on their way out to the tier.
+            storing = self._storing.pop(block_id, None)
+            if storing is not None and self._load_stream is not None:
+                self._load_stream.wait_event(storing)
         with self._on(self._load_stream):
             for slot, (_, block_id) in zip(slots, blocks, strict=True):
                 for name, arena in self.arenas.items():
@@ -154,9 +170,15 @@ class HostMemoryTier(OffloadBackend):
         if slot is not None:
             self._free.append(slot)
 
-    def before_step(self) -> None:
-        if self._store_stream is not None:
-            torch.cuda.current_stream(self._device).wait_stream(self._store_stream)
+    def before_step(self, reused_blocks: list[int]) -> None:
+        if self._store_stream is None:
+            return
+        main = torch.cuda.current_stream(self._device)
+        waits = {id(e): e for b in reused_blocks if (e := self._storing.pop(b, None)) is not None}
+        for event in waits.values():
+            main.wait_event(event)
+        if len(self._storing) > 4 * self.capacity:  # forget stores that have landed
+            self._storing = {b: e for b, e in self._storing.items() if not e.query()}
 
     def _on(self, stream: torch.cuda.Stream | None):
         """Run copies on `stream` after the GPU work queued so far (at once on the CPU)."""
