@@ -6,6 +6,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
@@ -51,6 +52,7 @@ class ServerState:
     startup_error: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
     logged_unknown_fields: set[str] = field(default_factory=set)
+    reasoning_parser: str | None = None  # splits chat answers into reasoning and content
 
     def ready_client(self) -> AsyncEngineClient:
         if self.client is None:
@@ -98,11 +100,11 @@ def build_app(state: ServerState) -> Starlette:
             )
         return parsed
 
-    async def generate(request: Request, kind: type, handler_type: type) -> Response:
+    async def generate(request: Request, kind: type, make_handler: Callable) -> Response:
         """Completions and chat: parse, then stream SSE or answer once the text is complete."""
         client = state.ready_client()
         body = await read_body(request, kind)
-        handler = handler_type(client, body.model or state.model_names[0])
+        handler = make_handler(client, body.model or state.model_names[0])
         if body.stream:
             return _sse(handler.stream(body))
         return _json(await _until_disconnect(request, handler.create(body)))
@@ -111,7 +113,11 @@ def build_app(state: ServerState) -> Starlette:
         return await generate(request, CompletionRequest, Completions)
 
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, ChatCompletionRequest, Chat)
+        return await generate(
+            request,
+            ChatCompletionRequest,
+            lambda client, name: Chat(client, name, state.reasoning_parser),
+        )
 
     async def models(request: Request) -> Response:
         client = state.ready_client()

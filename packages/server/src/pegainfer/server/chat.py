@@ -31,6 +31,7 @@ from pegainfer.server.protocol import (
     DeltaMessage,
     ImagePart,
 )
+from pegainfer.server.reasoning import REASONING_PARSERS, split_reasoning
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -64,9 +65,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 class Chat:
-    def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
+    def __init__(
+        self, client: AsyncEngineClient, model_name: str, reasoning_parser: str | None = None
+    ) -> None:
         self.client = client
         self.model_name = model_name
+        self.reasoning_parser = reasoning_parser
 
     def prepare(self, body: ChatCompletionRequest) -> tuple[str, EngineRequest]:
         if not body.messages:
@@ -89,7 +93,11 @@ class Chat:
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
         rid, request = self.prepare(body)
         (stream,) = await collect(self.client, [(request, None)], reserve(self.client, 1))
-        message = AssistantMessage(stream.text)
+        if self.reasoning_parser is None:
+            message = AssistantMessage("assistant", stream.text)
+        else:
+            reasoning, content = split_reasoning(self.reasoning_parser, stream.text)
+            message = AssistantMessage("assistant", content, reasoning)
         choice = ChatChoice(0, message, None, stream.finish_reason, stream.stop_reason)
         return ChatCompletionResponse(rid, now(), self.model_name, [choice], usage([stream]))
 
@@ -103,11 +111,23 @@ class Chat:
             choice = ChatChunkChoice(0, delta, None, reason, stop)
             return ChatCompletionChunk(rid, created, self.model_name, [choice])
 
+        splitter = (
+            None if self.reasoning_parser is None else REASONING_PARSERS[self.reasoning_parser]()
+        )
+
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[ChatCompletionChunk]:
             out = [chunk(DeltaMessage(role="assistant", content=""))] if first else []
-            out.append(
-                chunk(DeltaMessage(content=delta.text), delta.finish_reason, delta.stop_reason)
-            )
+            if splitter is None:
+                message = DeltaMessage(content=delta.text)
+            else:
+                reasoning, content = splitter.feed(delta.text)
+                if delta.finish_reason is not None:
+                    rest_reasoning, rest_content = splitter.finish()
+                    reasoning, content = reasoning + rest_reasoning, content + rest_content
+                # A delta whose text is all held back (a tag in pieces) still carries content
+                # "" so that a final chunk keeps its finish_reason.
+                message = DeltaMessage(content=content, reasoning_content=reasoning or None)
+            out.append(chunk(message, delta.finish_reason, delta.stop_reason))
             return out
 
         def final(streams: list[RequestStream]) -> ChatCompletionChunk | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.errors import PegainferError
+from pegainfer.server.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger("pegainfer.server")
 
@@ -75,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Requests allowed to wait for their first token; more get 503 with Retry-After.",
     )
     server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Split chat answers' thinking into reasoning_content (qwen3: <think>...</think>).",
+    )
+    server.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -91,6 +98,7 @@ _SERVER_FIELDS = (
     "max_request_bytes",
     "max_waiting_requests",
     "log_level",
+    "reasoning_parser",
 )
 
 
@@ -121,7 +129,10 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
 
     names = server["served_model_name"] or [engine_args.model]
     state = ServerState(
-        model_names=names, api_key=server["api_key"], max_body_bytes=server["max_request_bytes"]
+        model_names=names,
+        api_key=server["api_key"],
+        max_body_bytes=server["max_request_bytes"],
+        reasoning_parser=server["reasoning_parser"],
     )
     config = Config()
     config.bind = [f"{server['host']}:{server['port']}"]

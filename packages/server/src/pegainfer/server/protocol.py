@@ -192,9 +192,10 @@ class CompletionResponse(msgspec.Struct):
     object: Literal["text_completion"] = "text_completion"
 
 
-class AssistantMessage(msgspec.Struct):
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    role: Literal["assistant"]
     content: str
-    role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = None  # with --reasoning-parser
 
 
 class ChatChoice(msgspec.Struct):
@@ -217,6 +218,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
