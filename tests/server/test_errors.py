@@ -119,28 +119,18 @@ BAD_REQUESTS = {
         "stream_options.continuous_usage_stats",
         None,
     ),
-    "tool-calls-in-history": (
+    "tool-message-without-call-id": (
         CHAT,
         {
             "messages": [
                 {"role": "user", "content": "weather?"},
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [
-                        {
-                            "id": "1",
-                            "type": "function",
-                            "function": {"name": "w", "arguments": "{}"},
-                        }
-                    ],
-                },
+                {"role": "tool", "content": "sunny"},
             ],
             "max_tokens": 4,
         },
         400,
         "messages",
-        "tool calls",
+        "tool_call_id",
     ),
     "n-2": (COMPLETIONS, completion(n=2), 400, "n", None),
     "n-2-chat-stream": (CHAT, chat(n=2, stream=True), 400, "n", None),

@@ -7,7 +7,8 @@ import itertools
 import openai
 import pytest
 
-from pegainfer.server.reasoning import ThinkSplitter, split_reasoning
+from pegainfer.server.chat import AnswerParser
+from pegainfer.server.reasoning import ThinkSplitter
 from tests.server.conftest import start_server, stop_server
 
 CASES = [
@@ -22,7 +23,8 @@ CASES = [
 
 @pytest.mark.parametrize(("text", "reasoning", "content"), CASES)
 def test_whole_answers(text, reasoning, content):
-    assert split_reasoning("qwen3", text) == (reasoning, content)
+    got_reasoning, got_content, _ = AnswerParser("qwen3", None).feed(text, last=True)
+    assert (got_reasoning or None, got_content) == (reasoning, content)
 
 
 @pytest.mark.parametrize(("text", "reasoning", "content"), CASES)

@@ -53,6 +53,7 @@ class ServerState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     logged_unknown_fields: set[str] = field(default_factory=set)
     reasoning_parser: str | None = None  # splits chat answers into reasoning and content
+    tool_call_parser: str | None = None  # turns function calls in chat answers into tool_calls
 
     def ready_client(self) -> AsyncEngineClient:
         if self.client is None:
@@ -116,7 +117,7 @@ def build_app(state: ServerState) -> Starlette:
         return await generate(
             request,
             ChatCompletionRequest,
-            lambda client, name: Chat(client, name, state.reasoning_parser),
+            lambda client, name: Chat(client, name, state.reasoning_parser, state.tool_call_parser),
         )
 
     async def models(request: Request) -> Response:

@@ -31,9 +31,10 @@ from pegainfer.server.protocol import (
     DeltaMessage,
     ImagePart,
 )
-from pegainfer.server.reasoning import REASONING_PARSERS, split_reasoning
+from pegainfer.server.reasoning import REASONING_PARSERS
+from pegainfer.server.tool_calls import TOOL_CALL_PARSERS, ToolCall
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -50,12 +51,16 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if any(isinstance(part, ImagePart) for part in content):
                 raise bad_request("this model accepts text only, not images", "messages")
             content = "".join(part.text for part in content)  # type: ignore[union-attr]
-        if message.tool_calls or message.tool_call_id is not None:
-            raise bad_request(
-                f"messages[{i}]: tool calls in the conversation are not supported yet",
-                "messages",
-            )
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
+                                  "messages")  # fmt: skip
+            entry["tool_calls"] = message.tool_calls
+        if message.role == "tool":
+            if message.tool_call_id is None:
+                raise bad_request(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+            entry["tool_call_id"] = message.tool_call_id
         if message.name is not None:
             entry["name"] = message.name
         if message.reasoning_content is not None:
@@ -64,13 +69,40 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
+class AnswerParser:
+    """One answer's reasoning, content and tool calls, whole or as its text streams; each
+    parser is optional (None: the text is all content)."""
+
+    def __init__(self, reasoning: str | None, tool_calls: str | None) -> None:
+        self._reasoning = REASONING_PARSERS[reasoning]() if reasoning else None
+        self._tools = TOOL_CALL_PARSERS[tool_calls]() if tool_calls else None
+
+    def feed(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
+        if last and self._reasoning is not None:
+            more_reasoning, more_content = self._reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            content, calls = self._tools.feed(content)
+            if last:
+                more_content, more_calls = self._tools.finish()
+                content, calls = content + more_content, calls + more_calls
+        return reasoning, content, calls
+
+
 class Chat:
     def __init__(
-        self, client: AsyncEngineClient, model_name: str, reasoning_parser: str | None = None
+        self,
+        client: AsyncEngineClient,
+        model_name: str,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.client = client
         self.model_name = model_name
         self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
 
     def prepare(self, body: ChatCompletionRequest) -> tuple[str, EngineRequest]:
         if not body.messages:
@@ -83,6 +115,7 @@ class Chat:
             prompt_ids = self.client.frontend.render_chat(
                 template_messages(body.messages),
                 add_generation_prompt=body.add_generation_prompt,
+                tools=self._tools(body),
                 chat_template_kwargs=body.chat_template_kwargs,
             )
         except InvalidRequestError as exc:
@@ -90,44 +123,69 @@ class Chat:
         rid = request_id("chatcmpl")
         return rid, engine_request(self.client, rid, prompt_ids, params, body.cache_salt)
 
+    def _tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model (none with tool_choice "none")."""
+        if not body.tools or body.tool_choice == "none":
+            return None
+        if self.tool_call_parser is None:
+            raise bad_request("this server parses no tool calls; start it with "
+                              "--tool-call-parser to use tools", "tools")  # fmt: skip
+        for i, tool in enumerate(body.tools):
+            function = tool.get("function")
+            if (
+                tool.get("type") != "function"
+                or not isinstance(function, dict)
+                or not (isinstance(function.get("name"), str))
+            ):
+                raise bad_request(f"tools[{i}] must be a function with a name", "tools")
+        return body.tools
+
+    def _answer_parser(self, body: ChatCompletionRequest) -> AnswerParser:
+        tools = self.tool_call_parser if body.tools and body.tool_choice != "none" else None
+        return AnswerParser(self.reasoning_parser, tools)
+
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
         rid, request = self.prepare(body)
+        parser = self._answer_parser(body)
         (stream,) = await collect(self.client, [(request, None)], reserve(self.client, 1))
-        if self.reasoning_parser is None:
-            message = AssistantMessage("assistant", stream.text)
-        else:
-            reasoning, content = split_reasoning(self.reasoning_parser, stream.text)
-            message = AssistantMessage("assistant", content, reasoning)
-        choice = ChatChoice(0, message, None, stream.finish_reason, stream.stop_reason)
+        reasoning, content, calls = parser.feed(stream.text, last=True)
+        message = AssistantMessage(
+            "assistant",
+            content if content or not calls else None,
+            reasoning or None,
+            [call.as_openai() for call in calls] or None,
+        )
+        reason = "tool_calls" if calls and stream.finish_reason == "stop" else stream.finish_reason
+        choice = ChatChoice(0, message, None, reason, stream.stop_reason)
         return ChatCompletionResponse(rid, now(), self.model_name, [choice], usage([stream]))
 
     def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
         rid, request = self.prepare(body)
+        parser = self._answer_parser(body)
         reservation = reserve(self.client, 1)
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        num_calls = 0
 
         def chunk(delta: DeltaMessage, reason: str | None = None, stop=None) -> ChatCompletionChunk:
             choice = ChatChunkChoice(0, delta, None, reason, stop)
             return ChatCompletionChunk(rid, created, self.model_name, [choice])
 
-        splitter = (
-            None if self.reasoning_parser is None else REASONING_PARSERS[self.reasoning_parser]()
-        )
-
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[ChatCompletionChunk]:
+            nonlocal num_calls
             out = [chunk(DeltaMessage(role="assistant", content=""))] if first else []
-            if splitter is None:
-                message = DeltaMessage(content=delta.text)
-            else:
-                reasoning, content = splitter.feed(delta.text)
-                if delta.finish_reason is not None:
-                    rest_reasoning, rest_content = splitter.finish()
-                    reasoning, content = reasoning + rest_reasoning, content + rest_content
-                # A delta whose text is all held back (a tag in pieces) still carries content
-                # "" so that a final chunk keeps its finish_reason.
-                message = DeltaMessage(content=content, reasoning_content=reasoning or None)
-            out.append(chunk(message, delta.finish_reason, delta.stop_reason))
+            last = delta.finish_reason is not None
+            reasoning, content, calls = parser.feed(delta.text, last)
+            tool_calls = [call.as_openai(num_calls + i) for i, call in enumerate(calls)]
+            num_calls += len(calls)
+            reason = delta.finish_reason
+            if reason == "stop" and num_calls:
+                reason = "tool_calls"
+            # A delta whose text is all held back (a tag in pieces) still carries content "",
+            # so that a final chunk keeps its finish_reason.
+            message = DeltaMessage(content=content, reasoning_content=reasoning or None,
+                                   tool_calls=tool_calls or None)  # fmt: skip
+            out.append(chunk(message, reason, delta.stop_reason))
             return out
 
         def final(streams: list[RequestStream]) -> ChatCompletionChunk | None:

@@ -18,6 +18,7 @@ from typing import Any
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.errors import PegainferError
 from pegainfer.server.reasoning import REASONING_PARSERS
+from pegainfer.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("pegainfer.server")
 
@@ -82,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Split chat answers' thinking into reasoning_content (qwen3: <think>...</think>).",
     )
     server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="Turn function calls in chat answers into tool_calls (hermes: Qwen3's "
+        "<tool_call>{json}</tool_call>); needed for requests with tools.",
+    )
+    server.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -99,6 +107,7 @@ _SERVER_FIELDS = (
     "max_waiting_requests",
     "log_level",
     "reasoning_parser",
+    "tool_call_parser",
 )
 
 
@@ -133,6 +142,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
         api_key=server["api_key"],
         max_body_bytes=server["max_request_bytes"],
         reasoning_parser=server["reasoning_parser"],
+        tool_call_parser=server["tool_call_parser"],
     )
     config = Config()
     config.bind = [f"{server['host']}:{server['port']}"]

@@ -78,7 +78,6 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "include_stop_str_in_output": (False,),
     "prompt_logprobs": (None,),
-    "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
     "continue_final_message": (False,),
@@ -194,8 +193,9 @@ class CompletionResponse(msgspec.Struct):
 
 class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the answer is only tool calls
     reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[dict[str, Any]] | None = None  # with --tool-call-parser
 
 
 class ChatChoice(msgspec.Struct):
@@ -219,6 +219,7 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

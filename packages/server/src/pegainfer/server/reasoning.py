@@ -41,7 +41,7 @@ class ThinkSplitter:
                     self._held = self._held[end + len(self.end_tag) :]
                     self._state = CLOSED
                     continue
-                keep = _partial_suffix(self._held, self.end_tag)
+                keep = partial_tag_length(self._held, self.end_tag)
                 reasoning += self._held[: len(self._held) - keep]
                 self._held = self._held[len(self._held) - keep :]
                 break
@@ -62,8 +62,9 @@ class ThinkSplitter:
         return "", held
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+def partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`: text to hold
+    back while streaming, since the next delta may complete the tag."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-length:]):
             return length
@@ -71,12 +72,3 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 REASONING_PARSERS = {"qwen3": ThinkSplitter}
-
-
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
-    """A whole answer as (reasoning or None, content)."""
-    splitter = REASONING_PARSERS[parser]()
-    reasoning, content = splitter.feed(text)
-    rest_reasoning, rest_content = splitter.finish()
-    reasoning += rest_reasoning
-    return (reasoning or None), content + rest_content

@@ -1,0 +1,88 @@
+"""Tool-call parsers: function calls in the model's text turned into OpenAI `tool_calls`.
+
+Qwen3 (and other hermes-style models) write each call as a JSON object between
+`<tool_call>` and `</tool_call>`: `{"name": ..., "arguments": {...}}`. Text outside the tags is
+content. Streamed, a call is emitted whole once its closing tag arrives (OpenAI clients accept
+the arguments in one piece); text that might be the start of a tag is held back.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from pegainfer.server.reasoning import partial_tag_length
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_openai(self, index: int | None = None) -> dict:
+        call = {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        return call if index is None else {"index": index} | call
+
+
+class HermesToolCalls:
+    """Splits one answer into content and tool calls as its text arrives."""
+
+    start_tag = "<tool_call>"
+    end_tag = "</tool_call>"
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._inside = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The content and the complete calls this text settles."""
+        self._held += text
+        content, calls = "", []
+        while self._held:
+            tag = self.end_tag if self._inside else self.start_tag
+            at = self._held.find(tag)
+            if at < 0:
+                if self._inside:
+                    break  # the call's JSON so far: wait for its end
+                keep = partial_tag_length(self._held, tag)
+                content += self._held[: len(self._held) - keep]
+                self._held = self._held[len(self._held) - keep :]
+                break
+            if self._inside:
+                body = self._held[:at]
+                call = _parse_call(body)
+                if call is None:  # not a call after all: keep the text as the model wrote it
+                    content += self.start_tag + body + self.end_tag
+                else:
+                    calls.append(call)
+            else:
+                content += self._held[:at]
+            self._held = self._held[at + len(tag) :]
+            self._inside = not self._inside
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What is held back when the answer ends: an unclosed call stays text."""
+        held, self._held = self._held, ""
+        if self._inside:
+            self._inside = False
+            return self.start_tag + held, []
+        return held, []
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        parsed = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+        return None
+    arguments = parsed.get("arguments", {})
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(f"call_{secrets.token_hex(12)}", parsed["name"], text)
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesToolCalls}

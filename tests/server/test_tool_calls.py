@@ -1,0 +1,95 @@
+"""Tool calls: hermes-style `<tool_call>{json}</tool_call>` parsed whole and as it streams,
+rendered back through the chat template, and the server's tool handling end to end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import openai
+import pytest
+
+from pegainfer.server.chat import AnswerParser
+from tests.server.conftest import start_server, stop_server
+
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+CASES = [
+    (CALL, "", [("weather", {"city": "Paris", "days": 2})]),
+    ("Let me check." + CALL + CALL, "Let me check.",
+     [("weather", {"city": "Paris", "days": 2})] * 2),
+    ("No call here.", "No call here.", []),
+    ("<tool_call>not json</tool_call> done", "<tool_call>not json</tool_call> done", []),
+    ("<tool_call>{\"name\": \"cut", "<tool_call>{\"name\": \"cut", []),
+    ("<tool_c", "<tool_c", []),
+]  # fmt: skip
+
+
+def parse(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    parser, content, calls = AnswerParser(None, "hermes"), "", []
+    for n, piece in enumerate(pieces):
+        _, text, new = parser.feed(piece, last=n == len(pieces) - 1)
+        content += text
+        calls += [(c.name, json.loads(c.arguments)) for c in new]
+    return content, calls
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), CASES)
+def test_every_way_of_cutting_the_stream_in_three(text, content, calls):
+    assert parse([text]) == (content, calls)
+    for i, j in itertools.combinations_with_replacement(range(0, len(text) + 1, 3), 2):
+        assert parse([text[:i], text[i:j], text[j:]]) == (content, calls), (i, j)
+
+
+def test_reasoning_then_a_call():
+    parser = AnswerParser("qwen3", "hermes")
+    reasoning, content, calls = parser.feed("<think>\nNeed weather.\n</think>\n\n" + CALL, True)
+    assert reasoning == "\nNeed weather.\n" and content == "" and calls[0].name == "weather"
+    assert calls[0].id.startswith("call_")
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tools-log") / "server.log"
+    running = start_server(tiny_model, log, "--max-model-len", "1024",
+                           "--tool-call-parser", "hermes")  # fmt: skip
+    yield running
+    stop_server(running)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "Weather by city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def test_a_tool_round_trip_is_rendered_and_answered(tool_server):
+    """Tools, an assistant turn with tool_calls and the tool's answer all go through the chat
+    template (Qwen3's), and the server answers, streamed and not."""
+    client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
+    ]
+    prompt_tokens = {}
+    for tools in (TOOLS, None):
+        create = client.chat.completions.create
+        reply = create(model=tool_server.model, messages=messages, tools=tools, max_tokens=8,
+                       temperature=0)  # fmt: skip
+        assert reply.choices[0].finish_reason in {"stop", "length", "tool_calls"}
+        prompt_tokens[tools is None] = reply.usage.prompt_tokens
+    assert prompt_tokens[False] > prompt_tokens[True] + 20  # the tools are in the prompt
+    chunks = client.chat.completions.create(model=tool_server.model, messages=messages,
+                                            tools=TOOLS, max_tokens=8, temperature=0,
+                                            stream=True)  # fmt: skip
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] in {"stop", "length", "tool_calls"}
+
+
+def test_tool_choice_required_is_refused_until_decoding_is_constrained(tool_server):
+    client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model=tool_server.model, tools=TOOLS, max_tokens=4,
+                                       tool_choice="required",
+                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
