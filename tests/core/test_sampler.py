@@ -11,7 +11,15 @@ V = 8
 
 
 def make_batch(
-    rows: int, *, temperature=1.0, top_k=V, top_p=1.0, min_p=0.0, seeds=None, banned=None
+    rows: int,
+    *,
+    temperature=1.0,
+    top_k=V,
+    top_p=1.0,
+    min_p=0.0,
+    seeds=None,
+    banned=None,
+    biases=None,
 ):
     def col(value, dtype):
         values = value if isinstance(value, list) else [value] * rows
@@ -26,6 +34,7 @@ def make_batch(
         min_p=col(min_p, torch.float32),
         generators=[shared if s is None else torch.Generator().manual_seed(s) for s in seeds],
         banned=banned or [frozenset()] * rows,
+        biases=biases or [{}] * rows,
     )
 
 
@@ -110,3 +119,19 @@ def test_banned_tokens_are_never_picked():
     assert not torch.isin(tokens, torch.tensor([0, 3])).any()
     greedy = sample(logits[:1], make_batch(1, temperature=0.0, banned=[frozenset({0})]))
     assert greedy.item() != 0
+
+
+def test_logit_bias_is_added_before_everything_else():
+    """Greedy rows follow the biased argmax; sampled rows follow softmax(logits + bias), as a
+    torch reference computes it; the caller's logits are left as they were."""
+    bias = {0: -100.0, 5: 3.0}
+    logits = LOGITS.clone()
+    greedy = sample(logits, make_batch(1, temperature=0.0, biases=[bias]))
+    assert greedy.item() == 5 and torch.equal(logits, LOGITS)
+    n = 20_000
+    tokens = sample(LOGITS.expand(n, V).clone(), make_batch(n, biases=[bias] * n))
+    freq = torch.bincount(tokens, minlength=V).float() / n
+    biased = LOGITS[0].clone()
+    biased[0] -= 100.0
+    biased[5] += 3.0
+    assert (freq - biased.softmax(-1)).abs().max() < 0.015

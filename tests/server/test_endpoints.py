@@ -70,3 +70,16 @@ def test_tokenize_messages_applies_the_chat_template(server):
     for message in MESSAGES:
         assert message["content"] in rendered["prompt"]
     assert "assistant" in rendered["prompt"][len(rendered["prompt"]) // 2 :]
+
+
+def test_logit_bias_steers_every_token(server):
+    """A +100 bias on one token makes greedy decoding emit it every time; -100 bans it."""
+    import httpx
+
+    body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+    plain = httpx.post(f"{server.base_url}/completions", json=body, timeout=30).json()
+    forced = httpx.post(f"{server.base_url}/completions", timeout=30,
+                        json=body | {"logit_bias": {"42": 100}}).json()  # fmt: skip
+    sixes = httpx.post(f"{server.url}/detokenize", timeout=30,
+                       json={"model": server.model, "tokens": [42] * 6}).json()  # fmt: skip
+    assert forced["choices"][0]["text"] == sixes["prompt"] != plain["choices"][0]["text"]

@@ -143,7 +143,21 @@ BAD_REQUESTS = {
         "frequency_penalty",
         None,
     ),
-    "logit-bias": (COMPLETIONS, completion(logit_bias={"5": 10}), 400, "logit_bias", None),
+    "logit-bias-key": (COMPLETIONS, completion(logit_bias={"x": 10}), 400, "logit_bias", None),
+    "logit-bias-range": (
+        COMPLETIONS,
+        completion(logit_bias={"5": 101}),
+        400,
+        "logit_bias",
+        "[-100, 100]",
+    ),
+    "logit-bias-vocab": (
+        COMPLETIONS,
+        completion(logit_bias={"99999999": 1}),
+        400,
+        "logit_bias",
+        "vocabulary",
+    ),
     "echo": (COMPLETIONS, completion(echo=True), 400, "echo", None),
     "response-format-json": (
         CHAT,

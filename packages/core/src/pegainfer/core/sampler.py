@@ -1,4 +1,4 @@
-"""Token selection: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token selection: greedy, temperature, top-k, top-p, min-p, logit bias, per-request seeds.
 
 This is the reference implementation and the CPU path. The filters apply in a fixed order on
 the temperature-scaled distribution: top-k, then top-p on what remains, then min-p relative
@@ -11,7 +11,7 @@ on what else shares the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class SamplingBatch:
     min_p: torch.Tensor  # [B] float32
     generators: list[torch.Generator]
     banned: list[frozenset[int]]  # tokens a row may not pick (stops before min_tokens)
+    biases: list[dict[int, float]] = field(default_factory=list)  # per row: logit_bias
 
     @classmethod
     def from_requests(
@@ -49,6 +50,7 @@ class SamplingBatch:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             generators=[r.generator or default_generator for r in requests],
             banned=[r.banned_token_ids() for r in requests],
+            biases=[p.logit_bias for p in params],
         ).to(device)
 
     def to(self, device: torch.device) -> SamplingBatch:
@@ -83,6 +85,12 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Pick one token per row of `logits` [B, V]; returns int64 [B]."""
     logits = logits.float()
+    if any(batch.biases) or any(batch.banned):
+        logits = logits.clone()  # the caller's logits stay as they were
+    for row, bias in enumerate(batch.biases):
+        if bias:
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(bias.values()), device=logits.device)
     for row, banned in enumerate(batch.banned):
         if banned:
             logits[row, list(banned)] = -torch.inf
@@ -108,7 +116,8 @@ def sample_requests(
 
     All-greedy batches without banned tokens skip building per-row parameters.
     """
-    if all(r.params.greedy and not r.banned_token_ids() for r in requests):
+    if all(r.params.greedy and not r.banned_token_ids() and not r.params.logit_bias
+           for r in requests):  # fmt: skip
         return logits.argmax(dim=-1)
     batch = SamplingBatch.from_requests(requests, vocab_size, default_generator, logits.device)
     return sample(logits, batch)

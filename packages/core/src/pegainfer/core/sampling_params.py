@@ -39,6 +39,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    #: Added to the logits of these token ids before any other processing (OpenAI's range).
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -77,7 +79,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for b in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
         if vocab_size is not None:
+            outside = sorted(t for t in self.logit_bias if not (0 <= t < vocab_size))
+            if outside:
+                raise InvalidRequestError(
+                    f"logit_bias token ids {outside[:5]} are outside the vocabulary "
+                    f"[0, {vocab_size})",
+                    "logit_bias",
+                )
             bad = [t for t in self.stop_token_ids if not (0 <= t < vocab_size)]
             if bad:
                 raise InvalidRequestError(

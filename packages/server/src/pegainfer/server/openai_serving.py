@@ -61,6 +61,7 @@ def sampling_params(
         "min_tokens": request.min_tokens,
         "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens,
+        "logit_bias": _logit_bias(request.logit_bias),
     }
     params = client.frontend.default_sampling_params(**explicit)
     try:
@@ -70,6 +71,14 @@ def sampling_params(
         if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
             param = "max_completion_tokens"
         raise bad_request(str(exc), param) from exc
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    try:
+        return {int(token): float(value) for token, value in (bias or {}).items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
 
 
 def engine_request(

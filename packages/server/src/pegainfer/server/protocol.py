@@ -70,7 +70,6 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,),
     "repetition_penalty": (1.0,),
-    "logit_bias": (None, {}),
     "structured_outputs": (None,),
     "guided_json": (None,),
     "guided_regex": (None,),
