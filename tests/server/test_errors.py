@@ -132,8 +132,8 @@ BAD_REQUESTS = {
         "messages",
         "tool_call_id",
     ),
-    "n-2": (COMPLETIONS, completion(n=2), 400, "n", None),
-    "n-2-chat-stream": (CHAT, chat(n=2, stream=True), 400, "n", None),
+    "n-0": (COMPLETIONS, completion(n=0), 400, "n", None),
+    "n-too-many-chat-stream": (CHAT, chat(n=65, stream=True), 400, "n", None),
     "best-of-2": (COMPLETIONS, completion(best_of=2), 400, "best_of", "best_of"),
     "presence-penalty": (CHAT, chat(presence_penalty=0.5), 400, "presence_penalty", None),
     "frequency-penalty": (

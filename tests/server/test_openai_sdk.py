@@ -394,7 +394,7 @@ def test_async_sdk_errors_leave_the_server_serving(server):
         aclient = async_client(server)
         with pytest.raises(openai.BadRequestError) as bad:
             await aclient.chat.completions.create(
-                model=server.model, messages=MESSAGES, n=2, stream=True
+                model=server.model, messages=MESSAGES, n=0, stream=True
             )
         assert bad.value.param == "n"
         ok = await aclient.chat.completions.create(
@@ -404,3 +404,38 @@ def test_async_sdk_errors_leave_the_server_serving(server):
         await aclient.close()
 
     asyncio.run(go())
+
+
+def test_n_choices_with_distinct_seeds(server):
+    """n = 3: three choices, each reproducible with the request's seed, the prompt counted
+    once; streamed choices carry their index."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    ask = dict(model=server.model, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11)
+    first = client.chat.completions.create(n=3, **ask)
+    again = client.chat.completions.create(n=3, **ask)
+    single = client.chat.completions.create(n=1, **ask)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]
+    assert texts[0] == single.choices[0].message.content and len(set(texts)) > 1
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens
+    assert single.usage.completion_tokens < first.usage.completion_tokens <= 3 * 8
+    stream = client.chat.completions.create(n=3, stream=True, **ask)
+    streamed = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts
+
+
+def test_completions_n_per_prompt(server):
+    """Two prompts, n = 2: choice p * 2 + i is the i-th choice of prompt p; each prompt's
+    tokens count once."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    reply = client.completions.create(model=server.model, prompt=prompts, n=2, max_tokens=4,
+                                      temperature=0)  # fmt: skip
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in reply.choices]
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy copies agree
+    assert reply.usage.prompt_tokens == 7

@@ -11,6 +11,7 @@ from pegainfer.core.messages import EngineRequest
 from pegainfer.server.engine_client import AsyncEngineClient
 from pegainfer.server.errors import bad_request
 from pegainfer.server.openai_serving import (
+    choice_params,
     collect,
     engine_request,
     now,
@@ -104,7 +105,9 @@ class Chat:
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
 
-    def prepare(self, body: ChatCompletionRequest) -> tuple[str, EngineRequest]:
+    def prepare(
+        self, body: ChatCompletionRequest
+    ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
         max_tokens = body.max_completion_tokens
@@ -121,7 +124,11 @@ class Chat:
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param or "messages") from exc
         rid = request_id("chatcmpl")
-        return rid, engine_request(self.client, rid, prompt_ids, params, body.cache_salt)
+        requests = [
+            (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body.cache_salt), None)
+            for i, p in enumerate(choice_params(params, body.n))
+        ]
+        return rid, requests
 
     def _tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model (none with tool_choice "none")."""
@@ -145,52 +152,56 @@ class Chat:
         return AnswerParser(self.reasoning_parser, tools)
 
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
-        rid, request = self.prepare(body)
-        parser = self._answer_parser(body)
-        (stream,) = await collect(self.client, [(request, None)], reserve(self.client, 1))
-        reasoning, content, calls = parser.feed(stream.text, last=True)
-        message = AssistantMessage(
-            "assistant",
-            content if content or not calls else None,
-            reasoning or None,
-            [call.as_openai() for call in calls] or None,
-        )
-        reason = "tool_calls" if calls and stream.finish_reason == "stop" else stream.finish_reason
-        choice = ChatChoice(0, message, None, reason, stream.stop_reason)
-        return ChatCompletionResponse(rid, now(), self.model_name, [choice], usage([stream]))
+        rid, requests = self.prepare(body)
+        streams = await collect(self.client, requests, reserve(self.client, len(requests)))
+        choices = []
+        for index, stream in enumerate(streams):
+            reasoning, content, calls = self._answer_parser(body).feed(stream.text, last=True)
+            message = AssistantMessage(
+                "assistant",
+                content if content or not calls else None,
+                reasoning or None,
+                [call.as_openai() for call in calls] or None,
+            )
+            reason = stream.finish_reason
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            choices.append(ChatChoice(index, message, None, reason, stream.stop_reason))
+        return ChatCompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
     def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-        rid, request = self.prepare(body)
-        parser = self._answer_parser(body)
-        reservation = reserve(self.client, 1)
+        rid, requests = self.prepare(body)
+        parsers = [self._answer_parser(body) for _ in requests]
+        num_calls = [0] * len(requests)
+        reservation = reserve(self.client, len(requests))
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        num_calls = 0
 
-        def chunk(delta: DeltaMessage, reason: str | None = None, stop=None) -> ChatCompletionChunk:
-            choice = ChatChunkChoice(0, delta, None, reason, stop)
+        def chunk(
+            index: int, delta: DeltaMessage, reason: str | None = None, stop=None
+        ) -> ChatCompletionChunk:
+            choice = ChatChunkChoice(index, delta, None, reason, stop)
             return ChatCompletionChunk(rid, created, self.model_name, [choice])
 
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[ChatCompletionChunk]:
-            nonlocal num_calls
-            out = [chunk(DeltaMessage(role="assistant", content=""))] if first else []
+            out = [chunk(index, DeltaMessage(role="assistant", content=""))] if first else []
             last = delta.finish_reason is not None
-            reasoning, content, calls = parser.feed(delta.text, last)
-            tool_calls = [call.as_openai(num_calls + i) for i, call in enumerate(calls)]
-            num_calls += len(calls)
+            reasoning, content, calls = parsers[index].feed(delta.text, last)
+            tool_calls = [call.as_openai(num_calls[index] + i) for i, call in enumerate(calls)]
+            num_calls[index] += len(calls)
             reason = delta.finish_reason
-            if reason == "stop" and num_calls:
+            if reason == "stop" and num_calls[index]:
                 reason = "tool_calls"
             # A delta whose text is all held back (a tag in pieces) still carries content "",
             # so that a final chunk keeps its finish_reason.
             message = DeltaMessage(content=content, reasoning_content=reasoning or None,
                                    tool_calls=tool_calls or None)  # fmt: skip
-            out.append(chunk(message, reason, delta.stop_reason))
+            out.append(chunk(index, message, reason, delta.stop_reason))
             return out
 
         def final(streams: list[RequestStream]) -> ChatCompletionChunk | None:
             if not include_usage:
                 return None
-            return ChatCompletionChunk(rid, created, self.model_name, [], usage(streams))
+            return ChatCompletionChunk(rid, created, self.model_name, [], usage(streams, body.n))
 
-        return sse_stream(self.client, [(request, None)], reservation, chunks, final)
+        return sse_stream(self.client, requests, reservation, chunks, final)

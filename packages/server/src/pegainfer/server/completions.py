@@ -12,6 +12,7 @@ from pegainfer.core.messages import EngineRequest
 from pegainfer.server.engine_client import AsyncEngineClient
 from pegainfer.server.errors import bad_request
 from pegainfer.server.openai_serving import (
+    choice_params,
     collect,
     engine_request,
     now,
@@ -64,11 +65,14 @@ class Completions:
     def prepare(
         self, body: CompletionRequest
     ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
-        params = sampling_params(self.client, body, body.max_tokens)
+        copies = choice_params(sampling_params(self.client, body, body.max_tokens), body.n)
         rid = request_id("cmpl")
+        # Choice p * n + i is the i-th of the n choices of prompt p.
+        pairs = [(text, ids, params) for text, ids in _prompts(self.client, body.prompt)
+                 for params in copies]  # fmt: skip
         requests = [
             (engine_request(self.client, f"{rid}-{i}", ids, params, body.cache_salt), text)
-            for i, (text, ids) in enumerate(_prompts(self.client, body.prompt))
+            for i, (text, ids, params) in enumerate(pairs)
         ]
         return rid, requests
 
@@ -76,7 +80,7 @@ class Completions:
         rid, requests = self.prepare(body)
         streams = await collect(self.client, requests, reserve(self.client, len(requests)))
         choices = [_choice(i, s.text, s) for i, s in enumerate(streams)]
-        return CompletionResponse(rid, now(), self.model_name, choices, usage(streams))
+        return CompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
     def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
         rid, requests = self.prepare(body)
@@ -93,7 +97,7 @@ class Completions:
         def final(streams: list[RequestStream]) -> CompletionResponse | None:
             if not include_usage:
                 return None
-            return CompletionResponse(rid, created, self.model_name, [], usage(streams))
+            return CompletionResponse(rid, created, self.model_name, [], usage(streams, body.n))
 
         return sse_stream(self.client, requests, reservation, chunks, final)
 

@@ -97,11 +97,30 @@ def engine_request(
     return request
 
 
-def usage(streams: Sequence[RequestStream]) -> Usage:
-    prompt = sum(len(s.prompt_token_ids) for s in streams)
+def usage(streams: Sequence[RequestStream], n: int = 1) -> Usage:
+    """Token counts of a response; with `n` choices per prompt (streams grouped by prompt),
+    each prompt counts once, as OpenAI counts it."""
+    prompt = sum(len(s.prompt_token_ids) for s in streams[::n])
     completion = sum(len(s.token_ids) for s in streams)
-    cached = sum(s.num_cached_tokens for s in streams)
+    cached = sum(s.num_cached_tokens for s in streams[::n])
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+
+
+MAX_N = 64
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling parameters of `n` choices of one prompt: a request's seed is spread over
+    its choices (seed, seed + 1, ...), so seeded choices differ and stay reproducible."""
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    if params.seed is None:
+        return [params] * n
+    return [msgspec.structs.replace(params, seed=_wrap_seed(params.seed + i)) for i in range(n)]
+
+
+def _wrap_seed(seed: int) -> int:
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 async def merged(

@@ -61,7 +61,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 # Fields that change the output and are not implemented yet, with the values that mean "off".
 _NOT_YET: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (None, 1),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
