@@ -175,6 +175,15 @@ def test_stop_string_spanning_tokens(tok: Tokenizer) -> None:
     assert detok.flush() == ""
 
 
+def test_include_stop_str_in_output_keeps_the_matched_stop(tok: Tokenizer) -> None:
+    ids = tok.encode("Hello world, the answer is 42. More text follows.")
+    for stops, expected in ((["answer is 42"], "Hello world, the answer is 42"),
+                            (["42", "the answer"], "Hello world, the answer")):  # fmt: skip
+        detok = IncrementalDetokenizer(tok, [], stop=stops, include_stop=True)
+        deltas = [detok.push([i]).text for i in ids] + [detok.flush()]
+        assert "".join(deltas) == detok.output_text == expected
+
+
 def test_held_back_stop_prefix_is_released_when_disproved_or_flushed(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tok, [], stop=["STOP"])
     assert detok.push(tok.encode("abc ST")).text == "abc "

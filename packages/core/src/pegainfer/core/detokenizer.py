@@ -48,10 +48,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop  # keep the matched stop string at the end
         self._min_tokens = min_tokens
 
         # The window context: the last few prompt tokens, unless they end inside a character
@@ -137,7 +139,7 @@ class IncrementalDetokenizer:
                 matches.append((index + len(s), index, s))
         if matches:
             _, index, s = min(matches)
-            self._pending = self._pending[:index]
+            self._pending = self._pending[: index + len(s) * self._include_stop]
             self.stop_reason = s
 
     def _release(self, *, final: bool = False) -> str:

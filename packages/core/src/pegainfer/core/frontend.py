@@ -58,6 +58,7 @@ class RequestStream:
             skip_special_tokens=self.params.skip_special_tokens,
             stop=self.params.stop,
             min_tokens=self.params.min_tokens,
+            include_stop=self.params.include_stop_str_in_output,
         )
 
     @property

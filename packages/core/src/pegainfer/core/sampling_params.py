@@ -39,6 +39,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     #: Added to the logits of these token ids before any other processing (OpenAI's range).
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 

@@ -61,6 +61,7 @@ def sampling_params(
         "min_tokens": request.min_tokens,
         "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
         "logit_bias": _logit_bias(request.logit_bias),
     }
     params = client.frontend.default_sampling_params(**explicit)

@@ -74,7 +74,6 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
-    "include_stop_str_in_output": (False,),
     "prompt_logprobs": (None,),
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
