@@ -135,3 +135,26 @@ def test_logit_bias_is_added_before_everything_else():
     biased[0] -= 100.0
     biased[5] += 3.0
     assert (freq - biased.softmax(-1)).abs().max() < 0.015
+
+
+def test_penalties_match_a_reference_computation():
+    """Repetition on every token seen (prompt and output), then frequency and presence on the
+    output's counts — computed here element by element."""
+    from pegainfer.core.sampler import Penalties
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -0.2, 1.0, 0.0, -2.0])
+    prompt, output = [1, 2], [3, 3, 4, 1]
+    penalties = Penalties(0.4, 0.3, 1.5, prompt, output)
+    ours = logits.clone()
+    penalties.apply(ours)
+    expected = logits.clone()
+    for token in range(V):
+        value = expected[token].item()
+        if token in prompt + output:
+            value = value / 1.5 if value > 0 else value * 1.5
+        count = output.count(token)
+        expected[token] = value - 0.3 * count - 0.4 * (count > 0)
+    assert torch.allclose(ours, expected)
+    batch = make_batch(1, temperature=0.0)
+    batch.penalties = [penalties]
+    assert sample(logits[None].clone(), batch).item() == int(expected.argmax())

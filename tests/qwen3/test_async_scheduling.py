@@ -7,7 +7,7 @@ import torch
 
 from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampling_params import SamplingParams
-from tests.engine_harness import make_engine
+from tests.engine_harness import drain, make_engine
 from tests.qwen3.hf_reference import VOCAB
 
 
@@ -60,3 +60,25 @@ def test_async_scheduling_changes_no_output(hf_checkpoints):
     assert len(sync["min"][0]) >= 6
     assert len(sync["aborted"][0]) == 3 and len(sync["long"][0]) == 25
     assert run(path, True, stop_token) == sync
+
+
+def test_penalties_under_both_schedulers(hf_checkpoints):
+    """A penalised request beside a plain one: the async engine brings the pending token home
+    before sampling with penalties, so both schedulers agree; the penalty changes the output."""
+    path = hf_checkpoints(False)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (12, 30)]
+    penalised = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                               frequency_penalty=1.5, presence_penalty=0.5,
+                               repetition_penalty=1.3)  # fmt: skip
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    results = []
+    for async_scheduling, first in ((False, penalised), (True, penalised), (False, plain)):
+        engine = make_engine(path, async_scheduling=async_scheduling)
+        for rid, (prompt, params) in enumerate(zip(prompts, (first, plain), strict=True)):
+            engine.add_request(EngineRequest(request_id=str(rid), prompt_token_ids=prompt,
+                                             params=params, eos_token_ids=[],
+                                             arrival_time=0.0))  # fmt: skip
+        results.append(drain(engine))
+    assert results[0] == results[1]
+    assert results[0]["0"] != results[2]["0"] and results[0]["1"] == results[2]["1"]

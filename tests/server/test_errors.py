@@ -135,13 +135,26 @@ BAD_REQUESTS = {
     "n-0": (COMPLETIONS, completion(n=0), 400, "n", None),
     "n-too-many-chat-stream": (CHAT, chat(n=65, stream=True), 400, "n", None),
     "best-of-2": (COMPLETIONS, completion(best_of=2), 400, "best_of", "best_of"),
-    "presence-penalty": (CHAT, chat(presence_penalty=0.5), 400, "presence_penalty", None),
-    "frequency-penalty": (
+    "presence-penalty-range": (
+        CHAT,
+        chat(presence_penalty=2.5),
+        400,
+        "presence_penalty",
+        "[-2, 2]",
+    ),
+    "frequency-penalty-range": (
         COMPLETIONS,
-        completion(frequency_penalty=1),
+        completion(frequency_penalty=-3),
         400,
         "frequency_penalty",
-        None,
+        "[-2, 2]",
+    ),
+    "repetition-penalty-range": (
+        COMPLETIONS,
+        completion(repetition_penalty=0),
+        400,
+        "repetition_penalty",
+        "(0, 2]",
     ),
     "logit-bias-key": (COMPLETIONS, completion(logit_bias={"x": 10}), 400, "logit_bias", None),
     "logit-bias-range": (

@@ -307,13 +307,19 @@ class EngineCore:
         schedules and launches step N+1, then waits for step N's tokens while the GPU runs
         N+1, so the host's work for a step overlaps the GPU's work for the one before.
         """
+        early: list[RequestOutput] = []
+        if self._in_flight is not None and any(
+            r.params.has_penalties for r in self.scheduler.running
+        ):
+            # Penalties count every sampled token: bring the pending ones home first.
+            early, self._in_flight = self._commit(self._in_flight), None
         step = self.scheduler.schedule()
         for request, blocks in step.restores:
             request.restore = self.offload.load(blocks, self.kv_cache)
         launched = self._launch(step) if step.chunks else None
         if not self.async_scheduling:
             return self._commit(launched) if launched is not None else []
-        outputs = self._commit(self._in_flight) if self._in_flight is not None else []
+        outputs = early + (self._commit(self._in_flight) if self._in_flight is not None else [])
         self._in_flight = launched
         return outputs
 

@@ -98,12 +98,6 @@ class Frontend:
     def __init__(self, model_dir: Path, tokenizer_dir: Path | None = None) -> None:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir or model_dir)
         self.defaults = GenerationDefaults.from_dir(model_dir, self.tokenizer.eos_token_id)
-        if self.defaults.repetition_penalty not in (None, 1.0):
-            logger.warning(
-                "generation_config.json asks for repetition_penalty %s, which is not "
-                "implemented yet: it is not applied",
-                self.defaults.repetition_penalty,
-            )
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return self.defaults.sampling_params(**overrides)

@@ -20,10 +20,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """Checkpoint defaults; a None field means the checkpoint does not set it.
-
-    `repetition_penalty` is kept for reporting but not applied: the sampler has no penalties yet.
-    """
+    """Checkpoint defaults; a None field means the checkpoint does not set it."""
 
     eos_token_ids: tuple[int, ...] = ()
     do_sample: bool | None = None
@@ -93,4 +90,6 @@ class GenerationDefaults:
             defaults["min_p"] = self.min_p
         if self.max_new_tokens is not None:
             defaults["max_tokens"] = self.max_new_tokens
+        if self.repetition_penalty is not None:
+            defaults["repetition_penalty"] = self.repetition_penalty
         return SamplingParams(**{**defaults, **overrides})

@@ -18,6 +18,31 @@ import torch
 from pegainfer.core.request import Request
 
 
+@dataclass(frozen=True)
+class Penalties:
+    presence: float
+    frequency: float
+    repetition: float
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Penalise one row of logits in place, as vLLM does: the repetition penalty on every
+        token seen (divide positive logits, multiply negative ones), then the frequency and
+        presence penalties on the output's counts."""
+        vocab = logits.shape[-1]
+        if self.repetition != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(self.prompt_ids + self.output_ids, device=logits.device)] = True
+            penalised = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+            logits.copy_(torch.where(seen, penalised, logits))
+        if self.output_ids and (self.presence or self.frequency):
+            counts = torch.bincount(
+                torch.tensor(self.output_ids, device=logits.device), minlength=vocab
+            ).to(logits.dtype)
+            logits -= self.frequency * counts + self.presence * (counts > 0).to(logits.dtype)
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters of one step, aligned with the logits rows."""
@@ -29,6 +54,8 @@ class SamplingBatch:
     generators: list[torch.Generator]
     banned: list[frozenset[int]]  # tokens a row may not pick (stops before min_tokens)
     biases: list[dict[int, float]] = field(default_factory=list)  # per row: logit_bias
+    # Per row with penalties: (presence, frequency, repetition, prompt ids, output ids).
+    penalties: list[Penalties | None] = field(default_factory=list)
 
     @classmethod
     def from_requests(
@@ -51,6 +78,7 @@ class SamplingBatch:
             generators=[r.generator or default_generator for r in requests],
             banned=[r.banned_token_ids() for r in requests],
             biases=[p.logit_bias for p in params],
+            penalties=[_penalties(r) if r.params.has_penalties else None for r in requests],
         ).to(device)
 
     def to(self, device: torch.device) -> SamplingBatch:
@@ -85,12 +113,15 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Pick one token per row of `logits` [B, V]; returns int64 [B]."""
     logits = logits.float()
-    if any(batch.biases) or any(batch.banned):
+    if any(batch.biases) or any(batch.banned) or any(batch.penalties):
         logits = logits.clone()  # the caller's logits stay as they were
     for row, bias in enumerate(batch.biases):
         if bias:
             ids = torch.tensor(list(bias), device=logits.device)
             logits[row, ids] += torch.tensor(list(bias.values()), device=logits.device)
+    for row, penalties in enumerate(batch.penalties):
+        if penalties is not None:
+            penalties.apply(logits[row])
     for row, banned in enumerate(batch.banned):
         if banned:
             logits[row, list(banned)] = -torch.inf
@@ -117,7 +148,16 @@ def sample_requests(
     All-greedy batches without banned tokens skip building per-row parameters.
     """
     if all(r.params.greedy and not r.banned_token_ids() and not r.params.logit_bias
-           for r in requests):  # fmt: skip
+           and not r.params.has_penalties for r in requests):  # fmt: skip
         return logits.argmax(dim=-1)
     batch = SamplingBatch.from_requests(requests, vocab_size, default_generator, logits.device)
     return sample(logits, batch)
+
+
+def _penalties(request: Request) -> Penalties:
+    """A request's penalties over its tokens so far (all known: the engine brings pending
+    tokens home before scheduling a request with penalties)."""
+    p, split = request.params, request.num_prompt_tokens
+    assert not request.num_pending, "penalties need every sampled token on the host"
+    return Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                     request.token_ids[:split], request.token_ids[split:])  # fmt: skip

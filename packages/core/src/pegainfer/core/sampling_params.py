@@ -40,12 +40,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: OpenAI's penalties on the output so far (counts and presence), and the multiplicative
+    #: repetition penalty on every token seen, prompt included (as vLLM applies it).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     #: Added to the logits of these token ids before any other processing (OpenAI's range).
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise `InvalidRequestError` naming the first bad field; return self when all are good."""
@@ -80,6 +91,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
         if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for b in self.logit_bias.values()):
             raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
         if vocab_size is not None:

@@ -51,6 +51,8 @@ def sampling_params(
     }
     if request.top_k == -1:
         explicit["top_k"] = 0
+    if request.repetition_penalty != 1.0:  # else the checkpoint's default, if it has one
+        explicit["repetition_penalty"] = request.repetition_penalty
     stop = request.stop
     explicit |= {
         "stop": [stop] if isinstance(stop, str) else list(stop or []),
@@ -62,6 +64,8 @@ def sampling_params(
         "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
         "logit_bias": _logit_bias(request.logit_bias),
     }
     params = client.frontend.default_sampling_params(**explicit)
