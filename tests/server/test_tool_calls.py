@@ -24,8 +24,8 @@ CASES = [
 ]  # fmt: skip
 
 
-def parse(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
-    parser, content, calls = AnswerParser(None, "hermes"), "", []
+def parse(pieces: list[str], kind: str = "hermes") -> tuple[str, list[tuple[str, dict]]]:
+    parser, content, calls = AnswerParser(None, kind), "", []
     for n, piece in enumerate(pieces):
         _, text, new = parser.feed(piece, last=n == len(pieces) - 1)
         content += text
@@ -38,6 +38,25 @@ def test_every_way_of_cutting_the_stream_in_three(text, content, calls):
     assert parse([text]) == (content, calls)
     for i, j in itertools.combinations_with_replacement(range(0, len(text) + 1, 3), 2):
         assert parse([text[:i], text[i:j], text[j:]]) == (content, calls), (i, j)
+
+
+XML_CALL = ("<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n<parameter=units>\n[\"C\"]\n</parameter>\n"
+            "</function>\n</tool_call>")  # fmt: skip
+XML_CASES = [
+    (XML_CALL, "", [("weather", {"city": "Paris", "days": 2, "units": ["C"]})]),
+    ("First: " + XML_CALL + " then text", "First:  then text",
+     [("weather", {"city": "Paris", "days": 2, "units": ["C"]})]),
+    ("<tool_call>\n{\"name\": \"json\"}\n</tool_call>",
+     "<tool_call>\n{\"name\": \"json\"}\n</tool_call>", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), XML_CASES)
+def test_qwen35_xml_calls_in_every_cut(text, content, calls):
+    assert parse([text], "qwen3_xml") == (content, calls)
+    for i, j in itertools.combinations_with_replacement(range(0, len(text) + 1, 5), 2):
+        assert parse([text[:i], text[i:j], text[j:]], "qwen3_xml") == (content, calls), (i, j)
 
 
 def test_reasoning_then_a_call():

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=sorted(TOOL_CALL_PARSERS),
         help="Turn function calls in chat answers into tool_calls (hermes: Qwen3's "
-        "<tool_call>{json}</tool_call>); needed for requests with tools.",
+        "<tool_call>{json}</tool_call>; qwen3_xml: Qwen3.5's <function=...> form); needed "
+        "for requests with tools.",
     )
     server.add_argument(
         "--log-level",

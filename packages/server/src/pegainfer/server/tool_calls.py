@@ -1,15 +1,19 @@
 """Tool-call parsers: function calls in the model's text turned into OpenAI `tool_calls`.
 
-Qwen3 (and other hermes-style models) write each call as a JSON object between
-`<tool_call>` and `</tool_call>`: `{"name": ..., "arguments": {...}}`. Text outside the tags is
-content. Streamed, a call is emitted whole once its closing tag arrives (OpenAI clients accept
-the arguments in one piece); text that might be the start of a tag is held back.
+Qwen models write each call between `<tool_call>` and `</tool_call>`; text outside the tags
+is content. Inside, Qwen3 (hermes style) writes a JSON object `{"name": ..., "arguments":
+{...}}`; Qwen3.5 and Qwen3-Coder write XML, `<function=NAME>` holding one
+`<parameter=KEY>VALUE</parameter>` per argument. Streamed, a call is emitted whole once its
+closing tag arrives (OpenAI clients accept the arguments in one piece); text that might be the
+start of a tag is held back. A body that does not parse stays text, as the model wrote it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from pegainfer.server.reasoning import partial_tag_length
@@ -27,8 +31,9 @@ class ToolCall:
         return call if index is None else {"index": index} | call
 
 
-class HermesToolCalls:
-    """Splits one answer into content and tool calls as its text arrives."""
+class TaggedToolCalls(ABC):
+    """Splits one answer into content and tool calls as its text arrives; subclasses parse a
+    call's body."""
 
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
@@ -53,7 +58,7 @@ class HermesToolCalls:
                 break
             if self._inside:
                 body = self._held[:at]
-                call = _parse_call(body)
+                call = self.parse(body)
                 if call is None:  # not a call after all: keep the text as the model wrote it
                     content += self.start_tag + body + self.end_tag
                 else:
@@ -72,17 +77,48 @@ class HermesToolCalls:
             return self.start_tag + held, []
         return held, []
 
-
-def _parse_call(body: str) -> ToolCall | None:
-    try:
-        parsed = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-        return None
-    arguments = parsed.get("arguments", {})
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(f"call_{secrets.token_hex(12)}", parsed["name"], text)
+    @abstractmethod
+    def parse(self, body: str) -> ToolCall | None:
+        """One call from the text between the tags, or None if it is not one."""
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesToolCalls}
+class HermesToolCalls(TaggedToolCalls):
+    def parse(self, body: str) -> ToolCall | None:
+        try:
+            parsed = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+            return None
+        arguments = parsed.get("arguments", {})
+        if isinstance(arguments, str):
+            return _call(parsed["name"], arguments)
+        return _call(parsed["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+class Qwen3XmlToolCalls(TaggedToolCalls):
+    def parse(self, body: str) -> ToolCall | None:
+        function = _FUNCTION.fullmatch(body)
+        if function is None:
+            return None
+        arguments = {}
+        for key, raw in _PARAMETER.findall(function.group(2)):
+            value = raw.removeprefix("\n").removesuffix("\n")
+            # Values are written bare: numbers, booleans, lists and objects read as JSON,
+            # anything else is a string.
+            try:
+                arguments[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                arguments[key.strip()] = value
+        return _call(function.group(1).strip(), json.dumps(arguments, ensure_ascii=False))
+
+
+def _call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(f"call_{secrets.token_hex(12)}", name, arguments)
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "qwen3_xml": Qwen3XmlToolCalls}
