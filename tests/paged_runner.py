@@ -1,4 +1,5 @@
-"""Drives a model line's forward directly: chunks of named sequences, every row's logits."""
+"""Drives a model line's forward directly (chunks of named sequences, every row's logits),
+and the checks of that forward against transformers that every line's tests share."""
 
 from __future__ import annotations
 
@@ -59,3 +60,53 @@ class PagedRunner:
             out[name] = logits[row : row + len(chunk)]
             row += len(chunk)
         return out
+
+
+# Checks of a line's forward against transformers (float32), shared by the model lines' tests.
+TOL = 1e-4
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    diff = (ours - ref).abs().max().item()
+    assert diff <= TOL, f"max |Δlogit| = {diff:.3g} > {TOL}"
+
+
+def check_chunked_prefill(ours, hf, tokens: list[int], sizes: tuple[int, ...]) -> None:
+    """The prompt in chunks of `sizes`, each continuing from what the last one left."""
+    runner, start, reference = PagedRunner(ours), 0, hf_logits(hf, tokens)
+    for size in sizes:
+        assert_close(runner.step({"a": tokens[start : start + size]})["a"],
+                     reference[start : start + size])  # fmt: skip
+        start += size
+
+
+def check_token_by_token_decode(ours, hf, tokens: list[int], prefill: int) -> None:
+    runner, reference = PagedRunner(ours), hf_logits(hf, tokens)
+    assert_close(runner.step({"a": tokens[:prefill]})["a"], reference[:prefill])
+    for pos in range(prefill, len(tokens)):
+        assert_close(runner.step({"a": [tokens[pos]]})["a"], reference[pos : pos + 1])
+
+
+def check_mixed_batch(ours, hf, vocab: int) -> None:
+    """Fresh prefills of different lengths, a mid-prompt chunk and decodes in one step."""
+    lengths = [("p1", 3), ("p2", 21), ("chunk", 30), ("d1", 9), ("d2", 14)]
+    seqs = {name: random_tokens(n, i, vocab) for i, (name, n) in enumerate(lengths)}
+    refs = {name: hf_logits(hf, tokens) for name, tokens in seqs.items()}
+    runner = PagedRunner(ours)
+    runner.step({"chunk": seqs["chunk"][:11], "d1": seqs["d1"][:8], "d2": seqs["d2"][:13]})
+    out = runner.step({"p1": seqs["p1"], "d1": seqs["d1"][8:9], "chunk": seqs["chunk"][11:30],
+                       "p2": seqs["p2"], "d2": seqs["d2"][13:14]})  # fmt: skip
+    assert_close(out["p1"], refs["p1"])
+    assert_close(out["p2"], refs["p2"])
+    assert_close(out["chunk"], refs["chunk"][11:30])
+    assert_close(out["d1"], refs["d1"][8:9])
+    assert_close(out["d2"], refs["d2"][13:14])
