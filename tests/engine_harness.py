@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import EngineCore
@@ -62,3 +63,13 @@ def generate(
         submit(engine, str(i), prompt, params)
     out = drain(engine)
     return [out[str(i)] for i in range(len(prompts))]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of exactly `n` tokens (EOS ignored): the reference."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()

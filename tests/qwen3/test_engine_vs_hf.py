@@ -10,6 +10,7 @@ from tests.engine_harness import (
     drain,
     generate,
     greedy,
+    hf_greedy,
     make_engine,
     submit,
 )
@@ -23,21 +24,6 @@ NEW_TOKENS = 32
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from tests.engine_harness import (
     drain,
     generate,
     greedy,
+    hf_greedy,
     make_engine,
     submit,
 )
@@ -18,21 +19,6 @@ from tests.qwen35.hf_reference import VOCAB, load_hf, write_hf_checkpoint
 pytestmark = pytest.mark.usefixtures("both_schedulers")
 
 NEW_TOKENS = 16
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()  # fmt: skip
 
 
 @pytest.fixture(scope="module")
