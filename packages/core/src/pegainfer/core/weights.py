@@ -12,12 +12,16 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from pegainfer.core.errors import WeightLoadError
+
+if TYPE_CHECKING:
+    from pegainfer.core.model_line import ModelContext
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -33,6 +37,7 @@ class WeightTarget:
 
 
 NameMap = Callable[[str], WeightTarget | None]
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 def allocate_parameters(module: torch.nn.Module, device: torch.device) -> None:
@@ -126,3 +131,14 @@ def _check_complete(
         raise WeightLoadError(
             f"checkpoint in {model_dir} writes these parameters twice: {duplicated}"
         )
+
+
+def build_and_load(make: Callable[[], M], ctx: ModelContext) -> M:
+    """A line's model: built by `make` on the meta device in `ctx.dtype` (no memory, no random
+    init), given storage on `ctx.device`, then filled from the checkpoint through the model's
+    `checkpoint_name_map`."""
+    with torch.device("meta"):
+        model = make().to(ctx.dtype)
+    allocate_parameters(model, ctx.device)
+    load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map)
+    return model

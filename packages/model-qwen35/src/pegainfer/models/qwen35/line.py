@@ -5,10 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
-from pegainfer.core.weights import allocate_parameters, load_weights
+from pegainfer.core.weights import build_and_load
 from pegainfer.models.qwen35.config import Qwen35Config
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -27,11 +25,7 @@ class Qwen35Line(ModelLine):
         from pegainfer.models.qwen35.model import Qwen35ForCausalLM
 
         cfg = Qwen35Config.from_dict(ctx.config)
-        with torch.device("meta"):
-            model = Qwen35ForCausalLM(cfg).to(ctx.dtype)
-        allocate_parameters(model, ctx.device)
-        load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map)
-        return model
+        return build_and_load(lambda: Qwen35ForCausalLM(cfg), ctx)
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
