@@ -29,12 +29,15 @@ def _prompts(
     client: AsyncEngineClient, prompt: str | list[Any]
 ) -> list[tuple[str | None, list[int]]]:
     """Normalise the four prompt forms to (text, token ids) pairs."""
-    single = isinstance(prompt, str) or _token_ids(prompt) is not None
-    prompts: list[Any] = [prompt] if single else prompt
-    if not prompts:
+    if isinstance(prompt, str):
+        return [(prompt, client.frontend.encode_prompt(prompt))]
+    ids = _token_ids(prompt)  # one prompt of token ids, else a list of prompts
+    if ids is not None:
+        return [(None, ids)]
+    if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     pairs = []
-    for item in prompts:
+    for item in prompt:
         ids = None if isinstance(item, str) else _token_ids(item)
         if not isinstance(item, str) and ids is None:
             raise bad_request(
