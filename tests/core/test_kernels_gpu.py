@@ -19,17 +19,22 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("tokens", "hidden"), [(1, 2560), (7, 4096), (300, 2560), (33, 96)])
 @pytest.mark.parametrize("first_layer", [True, False])
-def test_add_rms_norm(dtype, tokens, hidden, first_layer):
+@pytest.mark.parametrize("zero_centred", [False, True])
+def test_add_rms_norm(dtype, tokens, hidden, first_layer, zero_centred):
     from pegainfer.core.kernels.norm import add_rms_norm
 
     g = torch.Generator("cuda").manual_seed(tokens + hidden)
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=g)
     residual = None if first_layer else torch.randn_like(x)
-    weight = 1 + 0.1 * torch.randn(hidden, device="cuda", dtype=dtype, generator=g)
-    ref_out, ref_res = ref_add_rms_norm(
-        x, None if residual is None else residual.clone(), weight, 1e-6
+    weight = int(not zero_centred) + 0.1 * torch.randn(
+        hidden, device="cuda", dtype=dtype, generator=g
     )
-    out, res = add_rms_norm(x.clone(), None if residual is None else residual.clone(), weight, 1e-6)
+    ref_out, ref_res = ref_add_rms_norm(
+        x, None if residual is None else residual.clone(), weight, 1e-6, zero_centred
+    )
+    out, res = add_rms_norm(
+        x.clone(), None if residual is None else residual.clone(), weight, 1e-6, zero_centred
+    )
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert rel_err(out, ref_out) < tol
     assert rel_err(res, ref_res) < tol

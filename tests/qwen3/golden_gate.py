@@ -157,11 +157,16 @@ def judge(
 
 
 class TeacherForcer:
-    """Runs cases through the engine's model with blocks taken from its block manager."""
+    """Runs cases through the engine's model with blocks taken from its block manager.
+
+    For models with recurrent state, case i runs in state slot i; a cached-prefix pass
+    checkpoints each state where its reused blocks end and restarts from there."""
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.bs = engine.config.block_size
+        self.stateful = engine.kv_cache.num_slots > 0
+        self.first_checkpoint = engine.scheduler.config.max_num_seqs
 
     def _blocks(self, n_tokens: int, reuse: list[int]) -> list[int]:
         need = -(-n_tokens // self.bs) - len(reuse)
@@ -169,10 +174,15 @@ class TeacherForcer:
         assert fresh is not None, "the KV cache is too small for this pass"
         return reuse + fresh
 
-    def _step(self, chunks, starts, tables, graphs: bool) -> torch.Tensor:
+    def _step(
+        self, chunks, starts, tables, graphs: bool, slots=None, restore=None, snapshot=None
+    ) -> torch.Tensor:
+        if self.stateful and slots is None:
+            slots = list(range(len(chunks)))
         batch = ForwardBatch.build(
-            chunks, starts, tables, [True] * len(chunks), self.bs, self.engine.config.device
-        )
+            chunks, starts, tables, [True] * len(chunks), self.bs, self.engine.config.device,
+            state_slots=slots, state_restore=restore, state_snapshot=snapshot,
+        )  # fmt: skip
         eng = self.engine
         if graphs and eng.graphs is not None and eng.graphs.can_run(batch):
             logits = eng.graphs.run(batch).clone()
@@ -194,13 +204,17 @@ class TeacherForcer:
         reuse: list[list[int]] = [[] for _ in cases]
         starts = [0] * len(cases)
         held: list[int] = []
+        restore = None
         if cached_prefix:
             for i, case in enumerate(cases):
                 table = self._blocks(len(case.prompt), [])
-                self._step([case.prompt], [0], [table], graphs=False)
                 full = (len(case.prompt) - 1) // self.bs
+                snapshot = [(full * self.bs, self.first_checkpoint + i)] if self.stateful else None
+                self._step([case.prompt], [0], [table], graphs=False, snapshot=snapshot)
                 reuse[i], starts[i] = table[:full], full * self.bs
                 held += table
+            if self.stateful:
+                restore = [self.first_checkpoint + i if s else None for i, s in enumerate(starts)]
         tables = [self._blocks(len(c.tokens), r) for c, r in zip(cases, reuse, strict=True)]
         out = [[] for _ in cases]
         logits = self._step(
@@ -208,6 +222,7 @@ class TeacherForcer:
             starts,
             tables,
             graphs=False,
+            restore=restore,
         )
         for i in range(len(cases)):
             out[i].append(logits[i])

@@ -62,7 +62,7 @@ def test_graph_replay_equals_eager_for_the_same_batch(small):
     cuda = torch.device("cuda")
     batch = ForwardBatch.build([[7]] * 5, [len(p) for p in prompts], tables, [True] * 5, bs, cuda)
     replayed = engine.graphs.run(batch).clone()
-    padded = engine.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu)
+    padded = engine.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu, [])
     padded.input_ids[:5].copy_(batch.input_ids)
     padded.positions[:5].copy_(batch.positions)
     padded.slot_mapping[:5].copy_(batch.slot_mapping)

@@ -1,74 +1,165 @@
-"""The Gated DeltaNet Triton kernels against the torch reference ops (CUDA; skipped elsewhere)."""
+"""The Gated DeltaNet Triton kernels against the torch reference ops (CUDA; skipped elsewhere).
+
+Each test builds a step of several sequences in their state slots (nonzero states, as after
+earlier steps), runs the kernel over the whole step and the reference one sequence at a time.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pegainfer.models.qwen35 import ops
 
 pytestmark = pytest.mark.gpu
 
 
-def batch_of(lengths: list[int], slots: list[int], device: str) -> tuple[torch.Tensor, ...]:
-    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return bounds.to(device), torch.tensor(slots, dtype=torch.int32, device=device)
-
-
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("lengths", "channels"), [([1, 1, 1], 8192), ([5, 1, 40], 384)])
-def test_causal_conv1d(dtype, lengths, channels, device="cuda"):
-    from pegainfer.models.qwen35.kernels import causal_conv1d
+def bounds_of(lengths: list[int]) -> list[int]:
+    return [0, *torch.tensor(lengths).cumsum(0).tolist()]
 
-    g = torch.Generator(device).manual_seed(channels)
-    x = torch.randn(sum(lengths), channels, device=device, generator=g).to(dtype)
-    weight = (torch.randn(channels, 4, device=device, generator=g) * 0.5).to(dtype)
-    states = torch.randn(6, channels, 3, device=device, generator=g)
-    slots = [4, 0, 2]
-    bounds, slot_t = batch_of(lengths, slots, device)
-    expected_states = states.clone()
-    out = causal_conv1d(x, weight, states, slot_t, bounds)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for i, slot in enumerate(slots):
-        rows = slice(int(bounds[i]), int(bounds[i + 1]))
-        ref, expected_states[slot] = ops.causal_conv1d(x[rows], weight, expected_states[slot])
-        assert rel_err(out[rows], ref) < tol
-    assert rel_err(states, expected_states) < 1e-6
+
+def int32(values: list[int], device: str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("lengths", "key_heads", "value_heads", "dim"),
-    [([1, 1, 1, 1], 16, 32, 128), ([3, 1, 17], 2, 4, 64)],
+    ("lengths", "channels", "snapshots"),
+    [
+        ([1, 1, 1], 8192, None),
+        ([5, 1, 40], 384, None),
+        ([2, 70, 33], 320, [(1, 5), -1, (33, 4)]),  # checkpoints inside and at the end
+        ([100], 8192, [(64, 3)]),
+    ],
 )
-def test_recurrent_gated_delta_rule(dtype, lengths, key_heads, value_heads, dim, device="cuda"):
-    from pegainfer.models.qwen35.kernels import recurrent_gated_delta_rule
+def test_causal_conv1d(dtype, lengths, channels, snapshots, device="cuda"):
+    from pegainfer.models.qwen35.kernels import causal_conv1d
 
-    g = torch.Generator(device).manual_seed(dim + len(lengths))
-    tokens, key_dim = sum(lengths), key_heads * dim
-    qkv = torch.randn(tokens, 2 * key_dim + value_heads * dim, device=device, generator=g)
-    qkv = qkv.to(dtype)
-    decay = -torch.rand(tokens, value_heads, device=device, generator=g)
-    beta = torch.rand(tokens, value_heads, device=device, generator=g).to(dtype)
-    states = torch.randn(5, value_heads, dim, dim, device=device, generator=g) * 0.1
-    slots = list(range(len(lengths)))[::-1]
-    bounds, slot_t = batch_of(lengths, slots, device)
-    expected_states = states.clone()
-    out = recurrent_gated_delta_rule(qkv, decay, beta, states, slot_t, bounds, key_heads, dim)
-    group = value_heads // key_heads
+    g = torch.Generator(device).manual_seed(channels + len(lengths))
+    x = torch.randn(sum(lengths), channels, device=device, generator=g).to(dtype)
+    weight = (torch.randn(channels, 1, 4, device=device, generator=g) * 0.5).to(dtype)
+    states = torch.randn(6, channels, 3, device=device, generator=g).to(dtype).float()
+    slots = [2, 0, 1][: len(lengths)]
+    bounds = bounds_of(lengths)
+    snap_args = None
+    if snapshots is not None:
+        offsets = [-1 if s == -1 else s[0] for s in snapshots]
+        snap_slots = [0 if s == -1 else s[1] for s in snapshots]
+        snap_args = (int32(offsets, device), int32(snap_slots, device))
+    expected = states.clone()
+    out = causal_conv1d(
+        x, weight, states, int32(slots, device), int32(bounds, device), snap_args, max(lengths)
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for i, slot in enumerate(slots):
-        rows = slice(int(bounds[i]), int(bounds[i + 1]))
-        n = rows.stop - rows.start
-        q, k, v = qkv[rows].float().split([key_dim, key_dim, value_heads * dim], dim=-1)
-        q = ops.l2_normalize(q.view(n, key_heads, dim)).repeat_interleave(group, dim=1)
-        k = ops.l2_normalize(k.view(n, key_heads, dim)).repeat_interleave(group, dim=1)
-        ref, expected_states[slot] = ops.recurrent_gated_delta_rule(
-            q * dim**-0.5, k, v.view(n, value_heads, dim), decay[rows], beta[rows].float(),
-            expected_states[slot],
-        )  # fmt: skip
+        rows = slice(bounds[i], bounds[i + 1])
+        start_state = expected[slot].clone()
+        ref, expected[slot] = ops.causal_conv1d(x[rows], weight[:, 0], start_state)
+        assert rel_err(out[rows], ref) < tol
+        if snapshots is not None and snapshots[i] != -1:
+            offset, target = snapshots[i]
+            _, expected[target] = ops.causal_conv1d(x[rows][:offset], weight[:, 0], start_state)
+    assert rel_err(states, expected) < 1e-6
+
+
+def delta_rule_inputs(tokens, key_heads, value_heads, dim, dtype, device, seed):
+    """A fused projection [qkv | z | b | a] (z unused here), the post-conv qkv, the gate
+    parameters, and nonzero states in 5 slots."""
+    g = torch.Generator(device).manual_seed(seed)
+    key_dim = key_heads * dim
+    channels = 2 * key_dim + value_heads * dim
+    width = channels + value_heads * dim + 2 * value_heads
+    proj = torch.randn(tokens, width, device=device, generator=g).to(dtype)
+    qkv = torch.randn(tokens, channels, device=device, generator=g).to(dtype)
+    a_log = torch.rand(value_heads, device=device, generator=g).log().to(dtype)
+    dt_bias = torch.randn(value_heads, device=device, generator=g).to(dtype)
+    states = torch.randn(5, value_heads, dim, dim, device=device, generator=g) * 0.1
+    return proj, qkv, a_log, dt_bias, states
+
+
+def reference_delta_rule(proj, qkv, a_log, dt_bias, state, key_heads, recurrent):
+    """transformers' gates then the reference rule over one sequence's rows."""
+    heads, dim = state.shape[0], state.shape[1]
+    n, key_dim = qkv.shape[0], key_heads * dim
+    b, a = proj[:, -2 * heads : -heads], proj[:, -heads:]
+    beta = b.sigmoid().float()
+    decay = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    q, k, v = qkv.float().split([key_dim, key_dim, heads * dim], dim=-1)
+    group = heads // key_heads
+    q = ops.l2_normalize(q.view(n, key_heads, dim)).repeat_interleave(group, dim=1)
+    k = ops.l2_normalize(k.view(n, key_heads, dim)).repeat_interleave(group, dim=1)
+    rule = ops.recurrent_gated_delta_rule if recurrent else ops.chunked_gated_delta_rule
+    return rule(q * dim**-0.5, k, v.view(n, heads, dim), decay, beta, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("seqs", "key_heads", "value_heads", "dim"), [(4, 16, 32, 128), (3, 2, 4, 64)]
+)
+def test_recurrent_gated_delta_rule(dtype, seqs, key_heads, value_heads, dim, device="cuda"):
+    from pegainfer.models.qwen35.kernels import DeltaNetShape, recurrent_gated_delta_rule
+
+    proj, qkv, a_log, dt_bias, states = delta_rule_inputs(
+        seqs, key_heads, value_heads, dim, dtype, device, seed=dim + seqs
+    )
+    slots = list(range(seqs))[::-1]
+    expected = states.clone()
+    shape = DeltaNetShape(key_heads, value_heads, dim, dim)
+    out = recurrent_gated_delta_rule(
+        qkv, proj, a_log, dt_bias, states, torch.tensor(slots, device=device), shape
+    )
+    for i, slot in enumerate(slots):
+        rows = slice(i, i + 1)
+        ref, expected[slot] = reference_delta_rule(
+            proj[rows], qkv[rows], a_log, dt_bias, expected[slot], key_heads, recurrent=True
+        )
         assert rel_err(out[rows], ref) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert rel_err(states, expected_states) < 1e-5
+    assert rel_err(states, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("lengths", "snapshots", "key_heads", "value_heads", "dim"),
+    [
+        ([150, 1, 64, 7], [None, None, None, None], 2, 4, 64),
+        ([200, 65], [(128, 3), (65, 4)], 2, 4, 64),  # checkpoints at a chunk edge and the end
+        ([300], [(100, 4)], 16, 32, 128),  # a checkpoint inside a chunk, Qwen3.5-4B's heads
+    ],
+)
+def test_chunked_gated_delta_rule(
+    dtype, lengths, snapshots, key_heads, value_heads, dim, device="cuda"
+):
+    from pegainfer.models.qwen35.kernels import ChunkPlan, DeltaNetShape, chunked_gated_delta_rule
+
+    proj, qkv, a_log, dt_bias, states = delta_rule_inputs(
+        sum(lengths), key_heads, value_heads, dim, dtype, device, seed=sum(lengths)
+    )
+    slots = list(range(len(lengths)))
+    bounds = bounds_of(lengths)
+    plan = ChunkPlan(*(int32(x, device) for x in ChunkPlan.host_lists(bounds, snapshots)))
+    expected = states.clone()
+    shape = DeltaNetShape(key_heads, value_heads, dim, dim)
+    out = chunked_gated_delta_rule(
+        qkv, proj, a_log, dt_bias, states, torch.tensor(slots, device=device), plan, shape
+    )
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    for i, slot in enumerate(slots):
+        rows = slice(bounds[i], bounds[i + 1])
+        args = (a_log, dt_bias)
+        start_state = expected[slot].clone()
+        ref, expected[slot] = reference_delta_rule(
+            proj[rows], qkv[rows], *args, start_state, key_heads, recurrent=False
+        )
+        assert rel_err(out[rows], ref) < tol
+        if snapshots[i] is not None:
+            offset, target = snapshots[i]
+            head = slice(rows.start, rows.start + offset)
+            _, expected[target] = reference_delta_rule(
+                proj[head], qkv[head], *args, start_state, key_heads, recurrent=False
+            )
+    assert rel_err(states, expected) < 1e-4

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from pegainfer.core.ops.rms_norm import rms_norm
 from pegainfer.core.ops.rotary import RotaryEmbedding
 from pegainfer.models.qwen35 import ops
 
@@ -18,7 +19,7 @@ def close(ours: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_offset_and_gated_norm(dtype):
+def test_zero_centred_and_gated_norms(dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 3, 64, generator=g).to(dtype)
     gate = torch.randn(7, 3, 64, generator=g).to(dtype)
@@ -27,7 +28,7 @@ def test_rms_norm_offset_and_gated_norm(dtype):
     with torch.no_grad():
         norm.weight.normal_(0, 0.1, generator=g)
         gated.weight.normal_(1, 0.1, generator=g)
-        close(ops.rms_norm_offset(x, norm.weight, 1e-6), norm(x), 0)
+        close(rms_norm(x, norm.weight, 1e-6, zero_centred=True), norm(x), 0)
         close(ops.gated_rms_norm(x, gate, gated.weight, 1e-6), gated(x, gate), 0)
 
 
@@ -107,3 +108,16 @@ def test_chunked_prefill_continues_from_a_saved_state():
     second, end = ops.chunked_gated_delta_rule(*(x[cut:] for x in inputs), mid)
     close(torch.cat((first, second)), whole, 1e-4)
     close(end, whole_state, 1e-4)
+
+
+def test_chunk_plan_breaks_at_checkpoints():
+    from pegainfer.models.qwen35.kernels import ChunkPlan
+
+    seq_chunks, starts, ends, snaps = ChunkPlan.host_lists(
+        [0, 150, 151, 281], [None, None, (66, 9)]
+    )
+    assert seq_chunks == [0, 3, 4, 7]
+    assert list(zip(starts, ends, snaps, strict=True)) == [
+        (0, 64, -1), (64, 128, -1), (128, 150, -1), (150, 151, -1),
+        (151, 215, -1), (215, 217, 9), (217, 281, -1),
+    ]  # fmt: skip

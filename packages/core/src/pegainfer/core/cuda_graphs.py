@@ -4,6 +4,9 @@ Decode steps are launch-bound: a 36-layer model issues hundreds of small kernels
 Each bucket's forward is captured once into a shared memory pool (largest first) over static
 input buffers; a step is padded to the next bucket with rows that read and write a reserved
 dummy block, its attention is planned outside the graph, and the graph is replayed.
+
+Models with recurrent state read and write each row's state slot in place; padding rows use a
+reserved dummy slot, and steps where a state starts or is checkpointed run eagerly.
 """
 
 from __future__ import annotations
@@ -36,16 +39,19 @@ class DecodeGraphs:
         dummy_block: int,
         block_size: int,
         device: torch.device,
+        dummy_slot: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.dummy_block = dummy_block
         self.block_size = block_size
+        self.dummy_slot = dummy_slot
         largest = max(buckets)
-        # Static inputs: [input_ids, positions, slot_mapping] per row.
-        self._inputs = torch.zeros(3, largest, dtype=torch.int64, device=device)
-        self._inputs[2].fill_(dummy_block * block_size)
+        # Static inputs: [input_ids, positions, slot_mapping, state slot] per row.
+        self._inputs = torch.zeros(4, largest, dtype=torch.int64, device=device)
+        self._pad = torch.tensor([0, 0, dummy_block * block_size, dummy_slot or 0], device=device)
+        self._inputs.copy_(self._pad[:, None].expand(-1, largest))
         self._rows = torch.arange(largest, device=device)
         self._logits = torch.empty(largest, model.vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -55,14 +61,19 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Pure decode, every row sampling, within the largest bucket."""
+        """Pure decode, every row sampling, within the largest bucket, no state starting."""
         n = batch.num_seqs
-        return batch.is_decode and batch.logits_indices.shape[0] == n and n <= self.max_batch
+        return (
+            batch.is_decode
+            and batch.logits_indices.shape[0] == n
+            and n <= self.max_batch
+            and not batch.starts_states
+        )
 
     def capture(self) -> None:
         pool = None
         for bucket in reversed(self.buckets):
-            batch = self._padded(bucket, [], [])
+            batch = self._padded(bucket, [], [], [])
             self.model.prepare_graph(batch, bucket)
             self.model(batch, self.kv_cache)  # warm-up: compiles kernels, settles allocations
             graph = torch.cuda.CUDAGraph()
@@ -80,20 +91,31 @@ class DecodeGraphs:
         self._inputs[0, :n].copy_(batch.input_ids)
         self._inputs[1, :n].copy_(batch.positions)
         self._inputs[2, :n].copy_(batch.slot_mapping)
-        # Rows past n keep what capture or earlier replays left: the dummy slot, position 0,
-        # and whatever token; they only ever touch the dummy block.
-        self._inputs[:2, n:bucket].zero_()
-        self._inputs[2, n:bucket].fill_(self.dummy_block * self.block_size)
-        padded = self._padded(bucket, batch.seq_lens_cpu, batch.block_tables_cpu)
+        if batch.state_slots is not None:
+            self._inputs[3, :n].copy_(batch.state_slots)
+        # Padding rows: token 0 at position 0, writing only the dummy block and dummy slot.
+        self._inputs[:, n:bucket].copy_(self._pad[:, None].expand(-1, bucket - n))
+        padded = self._padded(
+            bucket, batch.seq_lens_cpu, batch.block_tables_cpu, batch.state_slots_cpu
+        )
         self.model.prepare_graph(padded, bucket)
         self._graphs[bucket].replay()
         return self._logits[:n]
 
     def _padded(
-        self, bucket: int, seq_lens: list[int], block_tables: list[list[int]]
+        self,
+        bucket: int,
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        state_slots: list[int],
     ) -> ForwardBatch:
-        """The static batch of `bucket` rows; rows past the real ones attend the dummy block."""
+        """The static batch of `bucket` rows; rows past the real ones attend the dummy block.
+
+        Its host-side lists are what planning reads. At capture every row is the dummy block's
+        one token (a model with state must leave starting states to eager steps: `prepare_graph`
+        tells it the step replays a graph)."""
         pad = bucket - len(seq_lens)
+        stateful = self.dummy_slot is not None
         return ForwardBatch(
             input_ids=self._inputs[0, :bucket],
             positions=self._inputs[1, :bucket],
@@ -104,4 +126,8 @@ class DecodeGraphs:
             seq_lens_cpu=seq_lens + [1] * pad,
             block_tables_cpu=block_tables + [[self.dummy_block]] * pad,
             query_start_loc_cpu=torch.arange(bucket + 1, dtype=torch.int32),
+            state_slots_cpu=state_slots + [self.dummy_slot] * pad if stateful else [],
+            state_restore_cpu=[None] * bucket if stateful else [],
+            state_snapshot_cpu=[None] * bucket if stateful else [],
+            state_slots=self._inputs[3, :bucket] if stateful else None,
         )

@@ -147,12 +147,13 @@ class EngineCore:
         prefix_caching = args.enable_prefix_caching and line.supports_prefix_caching
         if args.enable_prefix_caching and not prefix_caching:
             logger.info("prefix caching is off: the %r line does not support it yet", line.name)
-        # Recurrent state: a slot per running sequence, then the checkpoints prefix hits need.
+        # Recurrent state: a slot per running sequence, then the checkpoints prefix hits need,
+        # then (with graphs) the dummy slot that padding rows of graph replays use.
         checkpoints = args.state_checkpoints if states and prefix_caching else 0
         if states and prefix_caching and not checkpoints:
             logger.info("prefix caching is off: no state checkpoints (--state-checkpoints 0)")
             prefix_caching = False
-        num_slots = args.max_num_seqs + checkpoints if states else 0
+        num_slots = args.max_num_seqs + checkpoints + int(bool(buckets)) if states else 0
         state_bytes = num_slots * sum(spec.bytes_per_slot for spec in states)
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
             args, specs, device, max_model_len, states, state_bytes
@@ -178,8 +179,9 @@ class EngineCore:
         )
         self.graphs: DecodeGraphs | None = None
         if buckets:
+            dummy_slot = num_slots - 1 if states else None
             self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, buckets, num_blocks, args.block_size, device
+                self.model, self.kv_cache, buckets, num_blocks, args.block_size, device, dummy_slot
             )
             self.graphs.capture()
         self.config = EngineConfig(

@@ -32,6 +32,19 @@ class ForwardBatch:
     state_slots_cpu: list[int] = field(default_factory=list)
     state_restore_cpu: list[int | None] = field(default_factory=list)
     state_snapshot_cpu: list[tuple[int, int] | None] = field(default_factory=list)
+    state_slots: torch.Tensor | None = None  # [B] int64 on the device: state_slots_cpu
+
+    @property
+    def starts_states(self) -> bool:
+        """Whether some sequence's state does not simply continue from its slot this step: it
+        starts at position 0, restarts from a checkpoint, or is checkpointed mid-step."""
+        if not self.state_slots_cpu:
+            return False
+        return (
+            any(r is not None for r in self.state_restore_cpu)
+            or any(s is not None for s in self.state_snapshot_cpu)
+            or any(n == q for n, q in zip(self.seq_lens_cpu, self.query_lens_cpu, strict=True))
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -82,26 +95,30 @@ class ForwardBatch:
             if sample:
                 logits_indices.append(query_start[-1] - 1)
         # One host tensor, one (pinned, asynchronous) copy to the device.
-        host = torch.tensor([input_ids, positions, slots], dtype=torch.int64)
-        flat = torch.tensor(logits_indices, dtype=torch.int64)
+        state_slots = [] if state_slots is None else list(state_slots)
+        host = torch.tensor(
+            input_ids + positions + slots + logits_indices + state_slots, dtype=torch.int64
+        )
         if device.type == "cuda":
             host = host.pin_memory().to(device, non_blocking=True)
-            flat = flat.pin_memory().to(device, non_blocking=True)
+        tokens = len(input_ids)
+        fields = host.split([tokens, tokens, tokens, len(logits_indices), len(state_slots)])
         return cls(
-            input_ids=host[0],
-            positions=host[1],
-            slot_mapping=host[2],
-            logits_indices=flat,
+            input_ids=fields[0],
+            positions=fields[1],
+            slot_mapping=fields[2],
+            logits_indices=fields[3],
             block_size=block_size,
             query_lens_cpu=[len(c) for c in token_chunks],
             seq_lens_cpu=seq_lens,
             block_tables_cpu=block_tables,
             query_start_loc_cpu=torch.tensor(query_start, dtype=torch.int32),
-            state_slots_cpu=[] if state_slots is None else list(state_slots),
+            state_slots_cpu=state_slots,
             state_restore_cpu=[None] * len(token_chunks)
             if state_restore is None
             else list(state_restore),
             state_snapshot_cpu=[None] * len(token_chunks)
             if state_snapshot is None
             else list(state_snapshot),
+            state_slots=fields[4] if state_slots else None,
         )

@@ -19,6 +19,7 @@ def _add_rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -32,13 +33,20 @@ def _add_rms_norm_kernel(
         tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_CENTRED:
+        out = xf * rstd * (1.0 + w)
+    else:
+        out = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x` (in place) then `rms_norm(residual)`; with no residual, `x` is it.
 
@@ -60,6 +68,7 @@ def add_rms_norm(
         hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
+        ZERO_CENTRED=zero_centred,
         BLOCK=triton.next_power_of_2(hidden),
         num_warps=8 if hidden >= 2048 else 4,
     )

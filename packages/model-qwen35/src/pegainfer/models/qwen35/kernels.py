@@ -1,16 +1,64 @@
-"""Triton kernels for the Gated DeltaNet layers (references: `ops.causal_conv1d`,
-`ops.recurrent_gated_delta_rule`), over the whole batch with each sequence's state slot.
+"""Triton kernels for the Gated DeltaNet layers, over a whole step at once.
 
-Both walk each sequence's tokens in order, so they serve decode (one token) and any chunk that
-continues from a state; the chunked prefill form is still the torch reference. Not wired into
-the model yet: they pass their tests on the CPU interpreter, not yet on a GPU.
+References (torch, one sequence at a time): `ops.causal_conv1d`, `ops.recurrent_gated_delta_rule`
+and `ops.chunked_gated_delta_rule`. Every kernel reads the layer's fused input projection as it
+comes out of the GEMM (`[qkv | z | b | a]` per token, see `GatedDeltaNet`) and each sequence's
+state in place in its slot of the layer's state arena.
+
+- `causal_conv1d`: one program per (sequence, channel block) walks the sequence's tokens in
+  tiles, so it serves decode and prefill alike; it also leaves the conv window at a checkpoint.
+- `recurrent_gated_delta_rule`: decode (one token per sequence); captured in CUDA graphs.
+- `chunked_gated_delta_rule`: any step with longer chunks. Two launches, as flash-linear-attention
+  splits it: first, independently per 64-token chunk and value head, the unit-triangular system
+  of the chunk is inverted by forward substitution and applied to the keys and values (`W`,
+  `U`); then one program per (sequence, value head, value block) carries the state across its
+  chunks, which is the only sequential part, and writes the outputs.
+
+The gates are computed inside the kernels from the projection's raw `a` and `b` columns:
+`g = -exp(A_log) softplus(a + dt_bias)` and `beta = sigmoid(b)` (rounded to the input dtype, as
+transformers computes it), and q and k are L2-normalised in float32.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+#: Tokens per chunk of the chunked delta rule (transformers' and flash-linear-attention's 64).
+CHUNK = 64
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    num_key_heads: int
+    num_value_heads: int
+    key_dim: int  # per head
+    value_dim: int  # per head
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.num_key_heads * self.key_dim + self.num_value_heads * self.value_dim
+
+
+@triton.jit
+def _gates(ab_row, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, mask):
+    """Log-decay g and beta (float32) of value head `hv` for the rows at `ab_row`."""
+    a = tl.load(ab_row + a_col + hv, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(ab_row + b_col + hv, mask=mask, other=0.0)
+    x = a + tl.load(dt_bias_ptr + hv).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    return tl.where(mask, g, 0.0), tl.where(mask, beta, 0.0)
+
+
+@triton.jit
+def _l2_normalize(x):
+    """Rows of x [N, D] (float32) over their last dimension, as `ops.l2_normalize`."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
 @triton.jit
@@ -21,39 +69,62 @@ def _causal_conv1d_kernel(
     out_ptr,
     slots_ptr,
     bounds_ptr,
+    snap_offset_ptr,
+    snap_slot_ptr,
     channels,
     stride_x,
     stride_out,
     stride_state_slot,
-    WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < channels
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cols < channels
     slot = tl.load(slots_ptr + seq).to(tl.int64)
-    start = tl.load(bounds_ptr + seq)
-    end = tl.load(bounds_ptr + seq + 1)
-    state = state_ptr + slot * stride_state_slot + cols * (WIDTH - 1)
-    # The window of the last three inputs (WIDTH 4, as every Qwen3.5 size has).
-    x0 = tl.load(state + 0, mask=mask, other=0.0)
-    x1 = tl.load(state + 1, mask=mask, other=0.0)
-    x2 = tl.load(state + 2, mask=mask, other=0.0)
-    w0 = tl.load(w_ptr + cols * WIDTH + 0, mask=mask, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + cols * WIDTH + 1, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + cols * WIDTH + 2, mask=mask, other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + cols * WIDTH + 3, mask=mask, other=0.0).to(tl.float32)
-    for t in range(start, end):
-        x3 = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        y = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+    start = tl.load(bounds_ptr + seq).to(tl.int64)
+    n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - start
+    state = state_ptr + slot * stride_state_slot + cols * 3
+    # The window at a checkpoint inside the chunk and at its end, read before anything is stored:
+    # input j of the window ending at offset e is row e - 3 + j, or the old window before row 0.
+    snap = tl.load(snap_offset_ptr + seq)
+    snap_state = state_ptr + tl.load(snap_slot_ptr + seq).to(tl.int64) * stride_state_slot
+    for j in tl.static_range(3):
+        e = n - 3 + j
+        last = tl.load(x_ptr + (start + e) * stride_x + cols, mask=cmask & (e >= 0), other=0.0)
+        old = tl.load(state + n + j, mask=cmask & (e < 0), other=0.0)
+        if snap >= 0:
+            s = snap - 3 + j
+            at = tl.load(x_ptr + (start + s) * stride_x + cols, mask=cmask & (s >= 0), other=0.0)
+            before = tl.load(state + snap + j, mask=cmask & (s < 0), other=0.0)
+            tl.store(snap_state + cols * 3 + j, at.to(tl.float32) + before, mask=cmask)
+        if j == 0:
+            w0 = last.to(tl.float32) + old
+        elif j == 1:
+            w1 = last.to(tl.float32) + old
+        else:
+            w2 = last.to(tl.float32) + old
+    for t0 in range(0, n, BT):
+        rows = t0 + tl.arange(0, BT)
+        rmask = rows < n
+        acc = tl.zeros((BT, BC), dtype=tl.float32)
+        for k in tl.static_range(4):
+            r = rows - (3 - k)  # the input row tap k reads; below 0 it is in the old window
+            m = rmask[:, None] & cmask[None, :]
+            from_x = tl.load(x_ptr + (start + r)[:, None] * stride_x + cols[None, :],
+                             mask=m & (r >= 0)[:, None], other=0.0)  # fmt: skip
+            from_state = tl.load(state[None, :] + (3 + r)[:, None], mask=m & (r < 0)[:, None],
+                                 other=0.0)  # fmt: skip
+            weight = tl.load(w_ptr + cols * 4 + k, mask=cmask, other=0.0).to(tl.float32)
+            acc += weight[None, :] * (from_x.to(tl.float32) + from_state)
         # As transformers: the conv's output is rounded to the input dtype, then SiLU.
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + t * stride_out + cols, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
-                 mask=mask)  # fmt: skip
-        x0, x1, x2 = x1, x2, x3
-    tl.store(state + 0, x0, mask=mask)
-    tl.store(state + 1, x1, mask=mask)
-    tl.store(state + 2, x2, mask=mask)
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + (start + rows)[:, None] * stride_out + cols[None, :],
+                 (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])  # fmt: skip
+    tl.store(state + 0, w0, mask=cmask)
+    tl.store(state + 1, w1, mask=cmask)
+    tl.store(state + 2, w2, mask=cmask)
 
 
 def causal_conv1d(
@@ -62,33 +133,43 @@ def causal_conv1d(
     states: torch.Tensor,
     slots: torch.Tensor,
     bounds: torch.Tensor,
+    snapshots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_len: int = 64,
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of every sequence's rows of x [T, C] (sequence i owns rows
     bounds[i]:bounds[i+1]), continuing from states[slots[i]] [C, 3] and leaving its last three
-    inputs there. weight [C, 4]; states float32; slots and bounds int32 on x's device."""
-    assert weight.shape[1] == 4 and states.dtype == torch.float32 and x.stride(1) == 1
-    out = torch.empty_like(x)
-    block = 256
-    grid = (slots.shape[0], triton.cdiv(x.shape[1], block))
+    inputs there. weight [C, 1, 4] (or [C, 4]); states float32. `snapshots` (offsets, slots),
+    per sequence: also store the window after `offset` rows into that slot (offset -1: none).
+    `max_len` (the longest sequence's rows) only picks the tile height."""
+    assert weight.shape[-1] == 4 and states.dtype == torch.float32 and x.stride(1) == 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_seqs = slots.shape[0]
+    if snapshots is None:
+        none = torch.full((num_seqs,), -1, dtype=torch.int32, device=x.device)
+        snapshots = (none, slots)
+    block_c = 128 if max_len > 1 else 256
+    grid = (num_seqs, triton.cdiv(x.shape[1], block_c))
     _causal_conv1d_kernel[grid](
-        x, weight.contiguous(), states, out, slots, bounds, x.shape[1], x.stride(0),
-        out.stride(0), states.stride(0), WIDTH=4, BLOCK=block,
+        x, weight.reshape(weight.shape[0], 4), states, out, slots, bounds, snapshots[0],
+        snapshots[1], x.shape[1], x.stride(0), out.stride(0), states.stride(0),
+        BT=min(32, triton.next_power_of_2(max_len)), BC=block_c,
     )  # fmt: skip
     return out
 
 
 @triton.jit
-def _recurrent_gated_delta_rule_kernel(
+def _recurrent_kernel(
     qkv_ptr,
-    decay_ptr,
-    beta_ptr,
+    ab_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
     out_ptr,
     state_ptr,
     slots_ptr,
-    bounds_ptr,
     stride_qkv,
-    stride_decay,
-    stride_beta,
+    stride_ab,
+    a_col,
+    b_col,
     stride_out,
     stride_state_slot,
     scale,
@@ -98,57 +179,247 @@ def _recurrent_gated_delta_rule_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    t = tl.program_id(0)  # one token per sequence: row t is sequence t
     hv = tl.program_id(1)
     hk = hv // GROUP
     ks = tl.arange(0, DK)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    start = tl.load(bounds_ptr + seq)
-    end = tl.load(bounds_ptr + seq + 1)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
     state = state_ptr + slot * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
     s = tl.load(state)  # [DK, BV] float32
-    for t in range(start, end):
-        row = qkv_ptr + t * stride_qkv
-        q = tl.load(row + hk * DK + ks).to(tl.float32)
-        k = tl.load(row + KEY_DIM + hk * DK + ks).to(tl.float32)
-        v = tl.load(row + 2 * KEY_DIM + hv * DV + vs).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        decay = tl.load(decay_ptr + t * stride_decay + hv)
-        beta = tl.load(beta_ptr + t * stride_beta + hv).to(tl.float32)
-        s = s * tl.exp(decay)
-        read = tl.sum(s * k[:, None], axis=0)
-        s = s + k[:, None] * (beta * (v - read))[None, :]
-        o = tl.sum(s * q[:, None], axis=0)
-        tl.store(out_ptr + t * stride_out + hv * DV + vs, o.to(out_ptr.dtype.element_ty))
+    row = qkv_ptr + t * stride_qkv
+    q = tl.load(row + hk * DK + ks).to(tl.float32)
+    k = tl.load(row + KEY_DIM + hk * DK + ks).to(tl.float32)
+    v = tl.load(row + 2 * KEY_DIM + hv * DV + vs).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    g, beta = _gates(ab_ptr + t * stride_ab, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, True)
+    s = s * tl.exp(g)
+    read = tl.sum(s * k[:, None], axis=0)
+    s = s + k[:, None] * (beta * (v - read))[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(out_ptr + t * stride_out + hv * DV + vs, o.to(out_ptr.dtype.element_ty))
     tl.store(state, s)
 
 
 def recurrent_gated_delta_rule(
     qkv: torch.Tensor,
-    decay: torch.Tensor,
-    beta: torch.Tensor,
+    proj: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     states: torch.Tensor,
     slots: torch.Tensor,
-    bounds: torch.Tensor,
-    num_key_heads: int,
-    key_dim: int,
+    shape: DeltaNetShape,
 ) -> torch.Tensor:
-    """The delta rule token by token for every sequence of the batch.
+    """One delta-rule step for each sequence of a decode batch (row i is sequence i).
 
-    qkv [T, 2·Hk·dk + Hv·dv] is the conv's output ([q | k | v]; q and k are L2-normalised and
-    q scaled by dk^-0.5 here), decay (float32) and beta [T, Hv], states [slots, Hv, dk, dv]
-    float32, updated in place. Returns o [T, Hv, dv] in qkv's dtype.
+    qkv [S, C] is the conv's output ([q | k | v]); proj [S, *] the layer's input projection,
+    whose last 2·Hv columns are b then a; states [slots, Hv, dk, dv] float32, updated in place.
+    Returns o [S, Hv, dv] in qkv's dtype.
     """
-    heads, dk, dv = states.shape[1], key_dim, states.shape[3]
-    assert states.shape[2] == dk and decay.dtype == torch.float32 and qkv.stride(1) == 1
+    heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
+    assert states.shape[1:] == (heads, dk, dv) and qkv.stride(1) == 1 and proj.stride(1) == 1
     out = torch.empty(qkv.shape[0], heads, dv, dtype=qkv.dtype, device=qkv.device)
     bv = min(dv, 32)
-    grid = (slots.shape[0], heads, dv // bv)
-    _recurrent_gated_delta_rule_kernel[grid](
-        qkv, decay, beta, out, states, slots, bounds, qkv.stride(0), decay.stride(0),
-        beta.stride(0), out.stride(0), states.stride(0), dk**-0.5,
-        KEY_DIM=num_key_heads * dk, GROUP=heads // num_key_heads, DK=dk, DV=dv, BV=bv,
+    grid = (qkv.shape[0], heads, dv // bv)
+    _recurrent_kernel[grid](
+        qkv, proj, a_log, dt_bias, out, states, slots, qkv.stride(0), proj.stride(0),
+        proj.shape[1] - heads, proj.shape[1] - 2 * heads, out.stride(0), states.stride(0),
+        dk**-0.5, KEY_DIM=shape.num_key_heads * dk, GROUP=heads // shape.num_key_heads, DK=dk,
+        DV=dv, BV=bv,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    qkv_ptr,
+    ab_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    chunk_start_ptr,
+    chunk_end_ptr,
+    w_ptr,
+    u_ptr,
+    c_ptr,
+    stride_qkv,
+    stride_ab,
+    a_col,
+    b_col,
+    HV: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
+    end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
+    rows = start + tl.arange(0, BT)
+    rmask = rows < end
+    ks, vs = tl.arange(0, DK), tl.arange(0, DV)
+    k = tl.load(qkv_ptr + rows[:, None] * stride_qkv + KEY_DIM + hk * DK + ks[None, :],
+                mask=rmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    k = _l2_normalize(k)
+    v = tl.load(qkv_ptr + rows[:, None] * stride_qkv + 2 * KEY_DIM + hv * DV + vs[None, :],
+                mask=rmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    g, beta = _gates(ab_ptr + rows * stride_ab, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, rmask)
+    c = tl.cumsum(g, axis=0)  # cumulative log-decay within the chunk
+    tl.store(c_ptr + rows * HV + hv, c, mask=rmask)
+    i = tl.arange(0, BT)[:, None]
+    j = tl.arange(0, BT)[None, :]
+    # A[i, j] = beta_i exp(c_i - c_j) k_i.k_j below the diagonal; T = (I + A)^-1 by forward
+    # substitution, row r of T being e_r - sum_{j<r} A[r, j] T[j, :].
+    kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+    decay = tl.exp(tl.where(i > j, c[:, None] - c[None, :], 0.0))
+    a = tl.where(i > j, beta[:, None] * kk * decay, 0.0)
+    t = tl.where(i == j, 1.0, 0.0)
+    for r in range(1, BT):
+        a_row = tl.sum(tl.where(i == r, a, 0.0), axis=0)
+        t = tl.where(i == r, t - tl.sum(a_row[:, None] * t, axis=0)[None, :], t)
+    w = tl.dot(t, k * (beta * tl.exp(c))[:, None], input_precision="ieee")
+    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
+    w_rows = (rows * HV + hv)[:, None]
+    tl.store(w_ptr + w_rows * DK + ks[None, :], w, mask=rmask[:, None])
+    tl.store(u_ptr + w_rows * DV + vs[None, :], u, mask=rmask[:, None])
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    qkv_ptr,
+    w_ptr,
+    u_ptr,
+    c_ptr,
+    out_ptr,
+    state_ptr,
+    slots_ptr,
+    seq_chunks_ptr,
+    chunk_start_ptr,
+    chunk_end_ptr,
+    chunk_snapshot_ptr,
+    stride_qkv,
+    stride_out,
+    stride_state_slot,
+    scale,
+    HV: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    ks = tl.arange(0, DK)
+    vs = tl.program_id(2) * BV + tl.arange(0, BV)
+    i = tl.arange(0, BT)[:, None]
+    j = tl.arange(0, BT)[None, :]
+    offsets = hv * DK * DV + ks[:, None] * DV + vs[None, :]
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    s = tl.load(state_ptr + slot * stride_state_slot + offsets)  # [DK, BV] float32
+    for chunk in range(tl.load(seq_chunks_ptr + seq), tl.load(seq_chunks_ptr + seq + 1)):
+        start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
+        end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
+        rows = start + tl.arange(0, BT)
+        rmask = rows < end
+        base = qkv_ptr + rows[:, None] * stride_qkv + hk * DK + ks[None, :]
+        q = _l2_normalize(tl.load(base, mask=rmask[:, None], other=0.0).to(tl.float32)) * scale
+        k = _l2_normalize(tl.load(base + KEY_DIM, mask=rmask[:, None], other=0.0).to(tl.float32))
+        c = tl.load(c_ptr + rows * HV + hv, mask=rmask, other=0.0)
+        c_last = tl.sum(tl.where(rows == end - 1, c, 0.0), axis=0)
+        w_rows = (rows * HV + hv)[:, None]
+        w = tl.load(w_ptr + w_rows * DK + ks[None, :], mask=rmask[:, None], other=0.0)
+        u = tl.load(u_ptr + w_rows * DV + vs[None, :], mask=rmask[:, None], other=0.0)
+        u = u - tl.dot(w, s, input_precision="ieee")  # the chunk's updates given the state
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        attn = tl.where(i >= j, qk * tl.exp(tl.where(i >= j, c[:, None] - c[None, :], 0.0)), 0.0)
+        o = tl.exp(c)[:, None] * tl.dot(q, s, input_precision="ieee")
+        o += tl.dot(attn, u, input_precision="ieee")
+        tl.store(out_ptr + rows[:, None] * stride_out + hv * DV + vs[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])  # fmt: skip
+        k_tail = k * tl.exp(c_last - c)[:, None]
+        s = tl.exp(c_last) * s + tl.dot(tl.trans(k_tail), u, input_precision="ieee")
+        snapshot = tl.load(chunk_snapshot_ptr + chunk)
+        if snapshot >= 0:  # a checkpoint after this chunk
+            tl.store(state_ptr + snapshot.to(tl.int64) * stride_state_slot + offsets, s)
+    tl.store(state_ptr + slot * stride_state_slot + offsets, s)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A step's sequences cut into chunks of at most CHUNK tokens (int32, on the device).
+
+    Sequence i owns chunks seq_chunks[i]:seq_chunks[i+1], chunk n covers token rows
+    start[n]:end[n], and snapshot[n] is the slot that takes the state after chunk n, or -1.
+    """
+
+    seq_chunks: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    snapshot: torch.Tensor
+
+    @property
+    def num_chunks(self) -> int:
+        return self.start.shape[0]
+
+    @staticmethod
+    def host_lists(
+        bounds: list[int], snapshots: list[tuple[int, int] | None]
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The plan's four lists: chunks break every CHUNK tokens and at each checkpoint."""
+        seq_chunks, starts, ends, snaps = [0], [], [], []
+        for i, snap in enumerate(snapshots):
+            lo, hi = bounds[i], bounds[i + 1]
+            cut = lo + snap[0] if snap is not None and snap[0] > 0 else None
+            for piece_lo, piece_hi in ((lo, cut), (cut, hi)) if cut is not None else ((lo, hi),):
+                for s in range(piece_lo, piece_hi, CHUNK):
+                    starts.append(s)
+                    ends.append(min(s + CHUNK, piece_hi))
+                    snaps.append(-1)
+                if piece_hi == cut and snaps:
+                    snaps[-1] = snap[1]
+            seq_chunks.append(len(starts))
+        return seq_chunks, starts, ends, snaps
+
+
+def chunked_gated_delta_rule(
+    qkv: torch.Tensor,
+    proj: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    plan: ChunkPlan,
+    shape: DeltaNetShape,
+) -> torch.Tensor:
+    """The delta rule over every sequence's chunks, from and into its state slot.
+
+    Arguments as `recurrent_gated_delta_rule`, with rows grouped by sequence as `plan` says.
+    Returns o [T, Hv, dv] in qkv's dtype.
+    """
+    heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
+    assert states.shape[1:] == (heads, dk, dv) and qkv.stride(1) == 1 and proj.stride(1) == 1
+    tokens, device = qkv.shape[0], qkv.device
+    w = torch.empty(tokens, heads, dk, dtype=torch.float32, device=device)
+    u = torch.empty(tokens, heads, dv, dtype=torch.float32, device=device)
+    c = torch.empty(tokens, heads, dtype=torch.float32, device=device)
+    out = torch.empty(tokens, heads, dv, dtype=qkv.dtype, device=device)
+    key_dim, group = shape.num_key_heads * dk, heads // shape.num_key_heads
+    a_col, b_col = proj.shape[1] - heads, proj.shape[1] - 2 * heads
+    _chunk_prepare_kernel[(plan.num_chunks, heads)](
+        qkv, proj, a_log, dt_bias, plan.start, plan.end, w, u, c, qkv.stride(0), proj.stride(0),
+        a_col, b_col, HV=heads, KEY_DIM=key_dim, GROUP=group, DK=dk, DV=dv, BT=CHUNK,
+        num_warps=8,
+    )  # fmt: skip
+    bv = min(dv, 32)
+    _chunk_scan_kernel[(slots.shape[0], heads, dv // bv)](
+        qkv, w, u, c, out, states, slots, plan.seq_chunks, plan.start, plan.end, plan.snapshot,
+        qkv.stride(0), out.stride(0), states.stride(0), dk**-0.5, HV=heads, KEY_DIM=key_dim,
+        GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, num_warps=8,
     )  # fmt: skip
     return out

@@ -2,31 +2,110 @@
 
 Three of every four layers are Gated DeltaNet (linear attention): each running sequence keeps
 a conv window and a recurrent matrix per such layer in its state slot, read and written in
-place every step. The rest are gated GQA attention with partial RoPE over paged KV. This is
-the torch reference path, one sequence at a time in the DeltaNet layers, following
-transformers' `Qwen3_5ForCausalLM` op for op, casts included.
+place every step. The rest are gated GQA attention with partial RoPE over paged KV.
+
+Two sets of ops compute the same function. The reference (and CPU) path runs the DeltaNet one
+sequence at a time with the torch ops of `ops.py`, following transformers' `Qwen3_5ForCausalLM`
+op for op, casts included. On CUDA the DeltaNet layers run the whole step through the Triton
+kernels of `kernels.py`, the norms and the MLP through core's fused kernels and attention
+through FlashInfer; pure-decode steps replay CUDA graphs. Projections are fused where the GPU
+wants them fused: q (with its gate)/k/v in one matrix, the DeltaNet's qkv/z/b/a in one, gate/up
+in one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attention
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec
 from pegainfer.core.model_line import Model, RuntimeConfig
-from pegainfer.core.ops.activation import silu_and_mul
+from pegainfer.core.ops import activation, rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
 from pegainfer.core.weights import WeightTarget
 from pegainfer.models.qwen35 import ops
 from pegainfer.models.qwen35.config import FULL, Qwen35Config
 
+if TYPE_CHECKING:
+    from pegainfer.models.qwen35.kernels import ChunkPlan
+
 # Checkpoint prefixes of the decoder: VLM checkpoints nest it under the language model.
 _PREFIXES = ("model.language_model.", "model.")
 _IGNORED = ("model.visual.", "mtp.")
+
+
+@dataclass(frozen=True)
+class _Ops:
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _ops(device: torch.device) -> _Ops:
+    if device.type != "cuda":
+        return _Ops(rms_norm.add_rms_norm, activation.silu_and_mul)
+    from pegainfer.core.kernels import activation as fast_activation
+    from pegainfer.core.kernels import norm as fast_norm
+
+    return _Ops(fast_norm.add_rms_norm, fast_activation.silu_and_mul)
+
+
+@dataclass(frozen=True)
+class DeltaNetStep:
+    """How the DeltaNet kernels walk one step (CUDA path), built once per step.
+
+    Sequence i owns rows bounds[i]:bounds[i+1] and the state slot slots[i]. `chunks` is None
+    for a decode step (one token each, the recurrent kernel); `conv_snapshots` (offsets,
+    slots) says where the conv window is checkpointed, when anything is.
+    """
+
+    slots: torch.Tensor
+    bounds: torch.Tensor
+    max_len: int
+    chunks: ChunkPlan | None = None
+    conv_snapshots: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, decode_bounds: torch.Tensor | None = None) -> DeltaNetStep:
+        from pegainfer.models.qwen35.kernels import ChunkPlan
+
+        assert batch.state_slots is not None
+        num_seqs, device = batch.num_seqs, batch.input_ids.device
+        snapshots = batch.state_snapshot_cpu
+        if batch.is_decode and not any(snapshots):
+            bounds = decode_bounds[: num_seqs + 1] if decode_bounds is not None else None
+            if bounds is None:
+                bounds = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+            return cls(batch.state_slots, bounds, 1)
+        bounds = batch.query_start_loc_cpu.tolist()
+        # A checkpoint at offset 0 is the state the step starts from: `_start_states` copies it.
+        inside = [s if s is not None and s[0] > 0 else None for s in snapshots]
+        seq_chunks, starts, ends, chunk_snaps = ChunkPlan.host_lists(bounds, inside)
+        offsets = [-1 if s is None else s[0] for s in inside]
+        snap_slots = [0 if s is None else s[1] for s in inside]
+        host = torch.tensor(
+            bounds + seq_chunks + starts + ends + chunk_snaps + offsets + snap_slots,
+            dtype=torch.int32,
+        )
+        if device.type == "cuda":
+            host = host.pin_memory().to(device, non_blocking=True)
+        n = len(starts)
+        parts = host.split([num_seqs + 1, num_seqs + 1, n, n, n, num_seqs, num_seqs])
+        return cls(
+            slots=batch.state_slots,
+            bounds=parts[0],
+            max_len=max(batch.query_lens_cpu),
+            chunks=ChunkPlan(parts[1], parts[2], parts[3], parts[4]),
+            conv_snapshots=(parts[5], parts[6]) if any(inside) else None,
+        )
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -40,9 +119,8 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = _param(2 * q_size, cfg.hidden_size)  # per head: [query | gate]
-        self.k_proj = _param(kv_size, cfg.hidden_size)
-        self.v_proj = _param(kv_size, cfg.hidden_size)
+        # [q_proj (per head: query | gate) | k_proj | v_proj]
+        self.qkv_proj = _param(2 * q_size + 2 * kv_size, cfg.hidden_size)
         self.o_proj = _param(cfg.hidden_size, q_size)
         self.q_norm = _param(cfg.head_dim)
         self.k_norm = _param(cfg.head_dim)
@@ -56,15 +134,17 @@ class GatedAttention(nn.Module):
         attn: PagedAttention,
     ) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
-        query_gate = F.linear(x, self.q_proj).view(tokens, cfg.num_heads, 2 * cfg.head_dim)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        query_gate, k, v = F.linear(x, self.qkv_proj).split([2 * q_size, kv_size, kv_size], -1)
+        query_gate = query_gate.view(tokens, cfg.num_heads, 2 * cfg.head_dim)
         q, gate = query_gate[..., : cfg.head_dim], query_gate[..., cfg.head_dim :]
-        q = ops.rms_norm_offset(q, self.q_norm, cfg.rms_norm_eps)
-        k = F.linear(x, self.k_proj).view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        k = ops.rms_norm_offset(k, self.k_norm, cfg.rms_norm_eps)
-        v = F.linear(x, self.v_proj).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        eps = cfg.rms_norm_eps
+        q = rms_norm.rms_norm(q, self.q_norm, eps, zero_centred=True)
+        k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+        k = rms_norm.rms_norm(k, self.k_norm, eps, zero_centred=True)
         q, k = rope.apply(q, batch.positions), rope.apply(k, batch.positions)
-        write_kv(kv_layer, k, v, batch)
-        out = attn.run(q, kv_layer).reshape(tokens, -1)
+        write_kv(kv_layer, k, v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim), batch)
+        out = attn.run(q.contiguous(), kv_layer).reshape(tokens, -1)
         out = out * torch.sigmoid(gate.reshape(tokens, -1))
         return F.linear(out, self.o_proj)
 
@@ -75,14 +155,13 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen35Config) -> None:
         super().__init__()
         self.cfg = cfg
-        value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        self.in_proj_qkv = _param(cfg.conv_channels, cfg.hidden_size)
-        self.in_proj_z = _param(value_dim, cfg.hidden_size)
-        self.in_proj_b = _param(cfg.linear_num_value_heads, cfg.hidden_size)
-        self.in_proj_a = _param(cfg.linear_num_value_heads, cfg.hidden_size)
+        heads = cfg.linear_num_value_heads
+        value_dim = heads * cfg.linear_value_head_dim
+        # [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]
+        self.in_proj = _param(cfg.conv_channels + value_dim + 2 * heads, cfg.hidden_size)
         self.conv1d = _param(cfg.conv_channels, 1, cfg.conv_kernel)
-        self.A_log = _param(cfg.linear_num_value_heads)
-        self.dt_bias = _param(cfg.linear_num_value_heads)
+        self.A_log = _param(heads)
+        self.dt_bias = _param(heads)
         self.norm = _param(cfg.linear_value_head_dim)
         self.out_proj = _param(cfg.hidden_size, value_dim)
 
@@ -92,24 +171,72 @@ class GatedDeltaNet(nn.Module):
         batch: ForwardBatch,
         conv_states: torch.Tensor,
         recurrent_states: torch.Tensor,
+        step: DeltaNetStep | None,
     ) -> torch.Tensor:
         """x [T, hidden]; conv_states [slots, C, K-1] and recurrent_states [slots, Hv, dk, dv]
-        are this layer's state arenas, updated in place for every sequence of the batch."""
+        are this layer's state arenas, updated in place for every sequence of the batch. With
+        a `step` plan the kernels run the whole batch, else the reference ops."""
         cfg, tokens = self.cfg, x.shape[0]
-        heads, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        mixed = F.linear(x, self.in_proj_qkv)
-        z = F.linear(x, self.in_proj_z).view(tokens, heads, dv)
-        beta = F.linear(x, self.in_proj_b).sigmoid()
-        decay = -self.A_log.float().exp() * F.softplus(
-            F.linear(x, self.in_proj_a).float() + self.dt_bias
+        heads, dv, channels = (
+            cfg.linear_num_value_heads,
+            cfg.linear_value_head_dim,
+            cfg.conv_channels,
         )
-        out = torch.empty(tokens, heads, dv, dtype=x.dtype, device=x.device)
+        proj = F.linear(x, self.in_proj)
+        z = proj[:, channels : channels + heads * dv].view(tokens, heads, dv)
+        if step is None:
+            out = self._reference(proj, batch, conv_states, recurrent_states)
+        else:
+            out = self._kernels(proj, step, conv_states, recurrent_states)
+        out = ops.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
+        return F.linear(out.reshape(tokens, -1), self.out_proj)
+
+    def _kernels(
+        self,
+        proj: torch.Tensor,
+        step: DeltaNetStep,
+        conv_states: torch.Tensor,
+        recurrent_states: torch.Tensor,
+    ) -> torch.Tensor:
+        from pegainfer.models.qwen35 import kernels
+
+        cfg = self.cfg
+        shape = kernels.DeltaNetShape(
+            cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        )  # fmt: skip
+        qkv = kernels.causal_conv1d(
+            proj[:, : cfg.conv_channels], self.conv1d, conv_states, step.slots, step.bounds,
+            step.conv_snapshots, step.max_len,
+        )  # fmt: skip
+        args = (qkv, proj, self.A_log, self.dt_bias, recurrent_states, step.slots)
+        if step.chunks is None:
+            return kernels.recurrent_gated_delta_rule(*args, shape)
+        return kernels.chunked_gated_delta_rule(*args, step.chunks, shape)
+
+    def _reference(
+        self,
+        proj: torch.Tensor,
+        batch: ForwardBatch,
+        conv_states: torch.Tensor,
+        recurrent_states: torch.Tensor,
+    ) -> torch.Tensor:
+        """One sequence at a time with the torch ops, deciding recurrent or chunked per piece
+        as transformers does."""
+        cfg, tokens = self.cfg, proj.shape[0]
+        heads, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        mixed = proj[:, : cfg.conv_channels]
+        b, a = proj[:, -2 * heads : -heads], proj[:, -heads:]
+        beta = b.sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty(tokens, heads, dv, dtype=proj.dtype, device=proj.device)
         bounds = batch.query_start_loc_cpu.tolist()
         for i, slot in enumerate(batch.state_slots_cpu):
             start, end = bounds[i], bounds[i + 1]
             pieces = [(start, end, None)]
             snapshot = batch.state_snapshot_cpu[i]
-            if snapshot is not None:  # checkpoint the state after `offset` tokens
+            # Checkpoint the state after `offset` tokens (offset 0: `_start_states` did).
+            if snapshot is not None and snapshot[0] > 0:
                 offset, checkpoint = snapshot
                 pieces = [(start, start + offset, checkpoint), (start + offset, end, None)]
             first_position = batch.seq_lens_cpu[i] - (end - start)
@@ -124,8 +251,7 @@ class GatedDeltaNet(nn.Module):
                 if checkpoint is not None:
                     conv_states[checkpoint] = conv_states[slot]
                     recurrent_states[checkpoint] = recurrent_states[slot]
-        out = ops.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
-        return F.linear(out.reshape(tokens, -1), self.out_proj)
+        return out
 
     def _scan(
         self,
@@ -171,11 +297,13 @@ class Qwen35Layer(nn.Module):
         self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+    def mlp(self, x: torch.Tensor, ops: _Ops) -> torch.Tensor:
+        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class Qwen35ForCausalLM(Model):
+    supports_cuda_graphs = True
+
     def __init__(self, cfg: Qwen35Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -188,6 +316,12 @@ class Qwen35ForCausalLM(Model):
                              for n, i in enumerate(layers)}  # fmt: skip
         self.rope: RotaryEmbedding | None = None
         self.attn: PagedAttention | None = None
+        self.ops: _Ops | None = None
+        self._decode_bounds: torch.Tensor | None = None
+        # The step `prepare`/`prepare_graph` planned: the DeltaNet kernels' walk (CUDA), and
+        # whether it replays a graph (states then only continue: nothing to start).
+        self._step: DeltaNetStep | None = None
+        self._replaying = False
 
     @property
     def vocab_size(self) -> int:
@@ -213,26 +347,54 @@ class Qwen35ForCausalLM(Model):
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         cfg = self.cfg
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
+        if device.type == "cuda" and cfg.conv_kernel != 4:
+            raise ConfigError(f"the CUDA conv kernel takes width 4, not {cfg.conv_kernel}")
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, runtime.max_model_len, device)
         shape = GQAShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.attn = make_paged_attention(shape, dtype, device, runtime.max_pages_per_seq)
+        self.attn = make_paged_attention(
+            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
+        )
+        self.ops = _ops(device)
+        if runtime.graph_buckets:
+            largest = max(runtime.graph_buckets)
+            self._decode_bounds = torch.arange(largest + 1, dtype=torch.int32, device=device)
 
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
         self.attn.plan(batch)
+        cuda = batch.input_ids.is_cuda
+        self._step = DeltaNetStep.of(batch, self._decode_bounds) if cuda else None
+        self._replaying = False
+
+    def prepare_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        assert self.attn is not None, "init_runtime() must run before the first step"
+        self.attn.plan_graph(batch, bucket)
+        self._step = DeltaNetStep.of(batch, self._decode_bounds)
+        self._replaying = True
 
     @staticmethod
     def _start_states(batch: ForwardBatch, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Every layer's state of a sequence starting at position 0 is zero; one resuming from a
-        prefix hit starts from its checkpoint. Done for the whole batch before any layer runs,
-        so a checkpoint this step overwrites is read first."""
+        prefix hit starts from its checkpoint; a checkpoint at offset 0 of a chunk is taken
+        here. Done for the whole batch before any layer runs, so a checkpoint this step
+        overwrites is read first."""
+        fresh, restore_to, restore_from, snap_to, snap_from = [], [], [], [], []
         for i, slot in enumerate(batch.state_slots_cpu):
             if batch.seq_lens_cpu[i] == batch.query_lens_cpu[i]:
-                conv[:, slot].zero_()
-                recurrent[:, slot].zero_()
+                fresh.append(slot)
             elif (source := batch.state_restore_cpu[i]) is not None:
-                conv[:, slot] = conv[:, source]
-                recurrent[:, slot] = recurrent[:, source]
+                restore_to.append(slot)
+                restore_from.append(source)
+            if (snapshot := batch.state_snapshot_cpu[i]) is not None and snapshot[0] == 0:
+                snap_to.append(snapshot[1])
+                snap_from.append(slot)
+        for arena in (conv, recurrent):
+            if fresh:
+                arena[:, fresh] = 0
+            if restore_to:
+                arena[:, restore_to] = arena[:, restore_from]
+            if snap_to:
+                arena[:, snap_to] = arena[:, snap_from]
 
     def checkpoint_name_map(self, name: str) -> WeightTarget | None:
         """Map a Hugging Face checkpoint tensor name to our parameter (None: not ours)."""
@@ -244,34 +406,57 @@ class Qwen35ForCausalLM(Model):
         if prefix is None:
             return WeightTarget(name)  # unknown: the loader reports it
         path = name.removeprefix(prefix).removesuffix(".weight")
-        if path.endswith(("mlp.gate_proj", "mlp.up_proj")):
-            layer = path.rsplit(".", 2)[0]
-            inter = self.cfg.intermediate_size
-            offset = 0 if path.endswith("gate_proj") else inter
-            return WeightTarget(f"{layer}.gate_up_proj", offset, inter)
+        module, _, leaf = path.rpartition(".")
+        shard = self._fused_rows.get(leaf)
+        if shard is not None and module.endswith(shard[0]):
+            fused, offset, rows = shard[1:]
+            return WeightTarget(f"{module.rsplit('.', 1)[0]}.{fused}", offset, rows)
         return WeightTarget(path.replace("mlp.down_proj", "down_proj"))
 
+    @property
+    def _fused_rows(self) -> dict[str, tuple[str, str, int, int]]:
+        """Checkpoint leaf -> (its module, our fused parameter beside it, row offset, rows)."""
+        cfg = self.cfg
+        q, kv = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter, heads = cfg.intermediate_size, cfg.linear_num_value_heads
+        channels, value = cfg.conv_channels, heads * cfg.linear_value_head_dim
+        return {
+            "q_proj": ("self_attn", "self_attn.qkv_proj", 0, q),
+            "k_proj": ("self_attn", "self_attn.qkv_proj", q, kv),
+            "v_proj": ("self_attn", "self_attn.qkv_proj", q + kv, kv),
+            "in_proj_qkv": ("linear_attn", "linear_attn.in_proj", 0, channels),
+            "in_proj_z": ("linear_attn", "linear_attn.in_proj", channels, value),
+            "in_proj_b": ("linear_attn", "linear_attn.in_proj", channels + value, heads),
+            "in_proj_a": ("linear_attn", "linear_attn.in_proj", channels + value + heads, heads),
+            "gate_proj": ("mlp", "gate_up_proj", 0, inter),
+            "up_proj": ("mlp", "gate_up_proj", inter, inter),
+        }
+
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        rope, attn, cfg = self.rope, self.attn, self.cfg
-        assert rope is not None and attn is not None
+        rope, attn, ops_, cfg = self.rope, self.attn, self.ops, self.cfg
+        assert rope is not None and attn is not None and ops_ is not None
         assert len(batch.state_slots_cpu) == batch.num_seqs, (
             "Qwen3.5 steps need a state slot per sequence"
         )
         kv, conv, recurrent = kv_cache["kv"], kv_cache["conv"], kv_cache["recurrent"]
-        self._start_states(batch, conv, recurrent)
+        if not self._replaying:
+            self._start_states(batch, conv, recurrent)
         eps = cfg.rms_norm_eps
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        residual = None
         for index, layer in enumerate(self.layers):
-            x = ops.rms_norm_offset(hidden, layer.input_layernorm, eps)
+            x, residual = ops_.add_rms_norm(hidden, residual, layer.input_layernorm, eps, True)
             n = self._cache_index[index]
             if layer.kind == FULL:
-                mixed = layer.self_attn(x, batch, kv[n], rope, attn)
+                hidden = layer.self_attn(x, batch, kv[n], rope, attn)
             else:
-                mixed = layer.linear_attn(x, batch, conv[n], recurrent[n])
-            hidden = hidden + mixed
-            hidden = hidden + layer.mlp(
-                ops.rms_norm_offset(hidden, layer.post_attention_layernorm, eps)
+                hidden = layer.linear_attn(x, batch, conv[n], recurrent[n], self._step)
+            x, residual = ops_.add_rms_norm(
+                hidden, residual, layer.post_attention_layernorm, eps, True
             )
-        x = ops.rms_norm_offset(hidden[batch.logits_indices], self.norm, eps)
+            hidden = layer.mlp(x, ops_)
+        # Only the rows that sample go through the final norm and the LM head.
+        rows = batch.logits_indices
+        x, _ = ops_.add_rms_norm(hidden[rows], residual[rows], self.norm, eps, True)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(x, head).float()

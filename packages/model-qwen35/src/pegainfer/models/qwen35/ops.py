@@ -1,11 +1,12 @@
 """Qwen3.5's own operations as torch reference ops, one sequence at a time.
 
 These define the semantics the GPU kernels are tested against, following transformers'
-`modeling_qwen3_5` casts: the zero-centred RMSNorm `norm(x) * (1 + w)`, the gated RMSNorm of
-the DeltaNet output, the causal depthwise conv1d with its state, and
-the gated delta rule in its recurrent form (decode) and its chunked form (prefill, which may
-continue from a saved state). Partial rotary embeddings are core's `RotaryEmbedding` over the
-first `head_dim * partial_rotary_factor` dims. The recurrence, per value head with state S [dk, dv]:
+`modeling_qwen3_5` casts: the gated RMSNorm of the DeltaNet output, the causal depthwise conv1d
+with its state, and the gated delta rule in its recurrent form (decode) and its chunked form
+(prefill, which may continue from a saved state). Partial rotary embeddings are core's
+`RotaryEmbedding` over the first `head_dim * partial_rotary_factor` dims, and the zero-centred
+RMSNorm `norm(x) * (1 + w)` is core's `rms_norm(..., zero_centred=True)`. The recurrence, per value
+head with state S [dk, dv]:
 
     S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
 """
@@ -14,13 +15,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-
-def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`norm(x) * (1 + weight)` in float32, cast back: Qwen3.5's zero-centred RMSNorm."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 def gated_rms_norm(
