@@ -58,13 +58,15 @@ def default_text_config(vocab_size: int, eos: int) -> dict[str, Any]:
     }
 
 
-def random_weights(cfg: Qwen35Config, seed: int, std: float = 0.1) -> dict[str, torch.Tensor]:
-    """Hugging Face-named tensors in the VLM layout; norms, A_log and dt_bias are spread out
-    so that misusing them shows."""
-    g = torch.Generator().manual_seed(seed)
+def random_weights(
+    cfg: Qwen35Config, seed: int, std: float = 0.1, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors in the VLM layout, drawn on `device`; norms, A_log and
+    dt_bias are spread out so that misusing them shows."""
+    g = torch.Generator(device).manual_seed(seed)
 
     def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale + mean
+        return torch.randn(*shape, generator=g, device=device) * scale + mean
 
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -89,7 +91,9 @@ def random_weights(cfg: Qwen35Config, seed: int, std: float = 0.1) -> dict[str, 
                 p + "linear_attn.in_proj_b.weight": normal(hv, h),
                 p + "linear_attn.in_proj_a.weight": normal(hv, h),
                 p + "linear_attn.conv1d.weight": normal(c, 1, cfg.conv_kernel, scale=0.5),
-                p + "linear_attn.A_log": torch.empty(hv).uniform_(0.01, 16, generator=g).log(),
+                p + "linear_attn.A_log": torch.empty(hv, device=device)
+                .uniform_(0.01, 16, generator=g)
+                .log(),
                 p + "linear_attn.dt_bias": normal(hv, mean=1.0, scale=0.3),
                 p + "linear_attn.norm.weight": normal(dv, mean=1.0),
                 p + "linear_attn.out_proj.weight": normal(h, hv * dv),
@@ -111,9 +115,10 @@ def random_weights(cfg: Qwen35Config, seed: int, std: float = 0.1) -> dict[str, 
 
 
 def write_tiny_qwen35(
-    out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu", **overrides: Any
 ) -> None:
-    """Write the checkpoint; `overrides` replace fields of `text_config`."""
+    """Write the checkpoint; `device` is where the random weights are drawn (a GPU is much
+    faster at real sizes), `overrides` replace fields of `text_config`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(
@@ -144,8 +149,9 @@ def write_tiny_qwen35(
         "eos_token_id": im_end,
     }
     dtype = getattr(torch, text["dtype"])
-    tensors = random_weights(Qwen35Config.from_dict(config), seed)
-    save_sharded({n: t.to(dtype).contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+    tensors = random_weights(Qwen35Config.from_dict(config), seed, device=device)
+    tensors = {n: t.to(dtype).cpu().contiguous() for n, t in tensors.items()}
+    save_sharded(tensors, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"eos_token_id": [im_end, endoftext], "pad_token_id": endoftext,
                   "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}  # fmt: skip

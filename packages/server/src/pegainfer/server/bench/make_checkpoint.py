@@ -1,9 +1,11 @@
-"""`pegainfer-bench make-checkpoint SHAPE DIR`: a random-weight Qwen3 checkpoint at a real size.
+"""`pegainfer-bench make-checkpoint SHAPE DIR`: a random-weight checkpoint at a real size.
 
-Benchmarks measure what a real Qwen3-4B or -8B costs (weight bytes, KV-cache room, kernel shapes,
-tokenizer work), none of which depends on what the weights say, and the hub is not reachable
-where they run. The checkpoint has the real config, bfloat16 weights sharded as the published
-ones are, and Qwen3's real tokenizer and chat template; only the weights are random.
+Benchmarks measure what a real Qwen3-4B/-8B or Qwen3.5-4B costs (weight bytes, KV-cache room,
+kernel shapes, tokenizer work), none of which depends on what the weights say, and the hub is
+not reachable where they run. The checkpoint has the real config, bfloat16 weights sharded as
+the published ones are, and Qwen3's real tokenizer and chat template; only the weights are
+random. (Qwen3.5 checkpoints get Qwen3's tokenizer too: its ids fit Qwen3.5's larger vocabulary,
+and the work of tokenizing is alike.)
 """
 
 from __future__ import annotations
@@ -42,12 +44,60 @@ SHAPES: dict[str, dict[str, Any]] = {
         **_SHARED,
     },
 }
+# Qwen3.5-4B's text config (text_config of the published VLM checkpoint).
+QWEN35_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen35-4b": {
+        "vocab_size": 248320,
+        "hidden_size": 2560,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 32,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": True,
+    },
+}
 VOCAB_SIZE = 151936  # embedding rows: the 151,669 tokens padded up, as in the real checkpoints
 BOS_TOKEN_ID = 151643  # <|endoftext|>
 EOS_TOKEN_ID = 151645  # <|im_end|>
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # The published Qwen3 checkpoints come in shards of at most about 4 GB.
 SHARD_BYTES = 4 * 10**9
+
+
+def write_weights(
+    shape: str, out_dir: Path, *, seed: int = 0, device: str = "cpu", num_shards: int = 1
+) -> None:
+    """The `shape` checkpoint with its model line's small tokenizer (what step benchmarks,
+    which feed token ids, need)."""
+    # Imported here: the model lines are only needed for this, and `pegainfer-bench`
+    # registers its commands without them installed.
+    if shape in QWEN35_SHAPES:
+        from pegainfer.models.qwen35.tiny import write_tiny_qwen35
+
+        config = QWEN35_SHAPES[shape]
+        config = config | {"layer_types": config["layer_types"] * 8, "dtype": "bfloat16"}
+        write_tiny_qwen35(out_dir, seed=seed, num_shards=num_shards, device=device, **config)
+        return
+    from pegainfer.models.qwen3.tiny import write_tiny_qwen3
+
+    write_tiny_qwen3(
+        out_dir,
+        seed=seed,
+        num_shards=num_shards,
+        device=device,
+        torch_dtype="bfloat16",
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        **SHAPES[shape],
+    )
 
 
 def checkpoint_bytes(config: dict[str, Any]) -> int:
@@ -76,28 +126,16 @@ def make_checkpoint(
     `device` draws the weights (default: CUDA when there is one; the CPU needs about 6 bytes of
     memory per parameter and minutes); `num_shards` defaults to the published shard count.
     """
-    # Imported here: the model line and the tokenizer package are only needed for this command,
-    # and `pegainfer-bench` registers it without them installed.
-    from pegainfer.models.qwen3.tiny import write_tiny_qwen3
-
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    config = SHAPES[shape]
+    if shape not in SHAPES and shape not in QWEN35_SHAPES:
+        known = [*SHAPES, *QWEN35_SHAPES]
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(known)}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if num_shards is None:
-        num_shards = math.ceil(checkpoint_bytes(config) / SHARD_BYTES)
-    write_tiny_qwen3(
-        out_dir,
-        seed=seed,
-        num_shards=num_shards,
-        device=device,
-        torch_dtype="bfloat16",
-        vocab_size=VOCAB_SIZE,
-        bos_token_id=BOS_TOKEN_ID,
-        eos_token_id=EOS_TOKEN_ID,
-        **config,
-    )
+        # Qwen3.5: shards of ~4 GB too (the count changes nothing that is measured).
+        size = checkpoint_bytes(SHAPES[shape]) if shape in SHAPES else 9 * 10**9
+        num_shards = math.ceil(size / SHARD_BYTES)
+    write_weights(shape, out_dir, seed=seed, device=device, num_shards=num_shards)
     # The tiny writer's small tokenizer (and the generation config naming its ids) is replaced.
     if tokenizer_from is None:
         from pegainfer.models.qwen3.real_tokenizer import write_qwen3_tokenizer
@@ -125,7 +163,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_parser(subparsers: Any) -> None:
     parser = subcommand(subparsers, "make-checkpoint", __doc__)
-    parser.add_argument("shape", choices=sorted(SHAPES), help="which published checkpoint")
+    shapes = sorted(SHAPES) + sorted(QWEN35_SHAPES)
+    parser.add_argument("shape", choices=shapes, help="which published checkpoint")
     parser.add_argument("out_dir", type=Path, help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument(

@@ -1,12 +1,15 @@
-"""Qwen3 decode-step and prefill timings on one GPU, beside limits measured in the same run.
+"""Decode-step and prefill timings of one model shape on one GPU, beside limits measured in
+the same run.
 
-    python benchmarks/qwen3_step.py --shape 4b --out result.json
+    python benchmarks/model_step.py --shape qwen3-4b --out result.json
 
-Random weights at the real shapes (drawn on the GPU, written as a checkpoint), the engine as
-served (CUDA graphs on, greedy sampling, one device-to-host copy per step). Decode: B requests
-with a 1k-token context, median step time over many steps, against the HBM limit (weight bytes
-plus the KV bytes a step reads, over the measured device-copy bandwidth). Prefill: one prompt
-of T tokens in one step, against the bf16 matmul rate measured here.
+Random weights at the real shapes (drawn on the GPU, written as a checkpoint by
+`pegainfer-bench make-checkpoint`'s writer), the engine as served (CUDA graphs on, greedy
+sampling, one device-to-host copy per step). Decode: B requests with a 1k-token context, median
+step time over many steps, against the HBM limit (weight bytes plus the KV bytes a step reads
+plus, for recurrent layers, each sequence's state read and written, over the measured
+device-copy bandwidth). Prefill: one prompt of T tokens in one step, against the bf16 matmul
+rate measured here (attention FLOPs counted for the full-attention layers only).
 """
 
 from __future__ import annotations
@@ -29,17 +32,10 @@ from pegainfer.core.engine import EngineCore
 from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampler import sample_requests
 from pegainfer.core.sampling_params import SamplingParams
-from pegainfer.models.qwen3.tiny import write_tiny_qwen3
+from pegainfer.server.bench.make_checkpoint import QWEN35_SHAPES, SHAPES, write_weights
 from pegainfer.server.bench.report import git_revision
 
-SHAPES = {
-    "4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-           "tie_word_embeddings": True},
-    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-           "tie_word_embeddings": False},
-}  # fmt: skip
+# Prompts are drawn from the ids every shape's vocabulary has (Qwen3's).
 VOCAB = 151936
 
 
@@ -243,7 +239,9 @@ def prefix_hit_time(engine: EngineCore, tokens: int, reps: int, profile_path: Pa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="4b")
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES) + sorted(QWEN35_SHAPES), default="qwen3-4b"
+    )
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
@@ -269,12 +267,10 @@ def main() -> None:
     args = parser.parse_args()
     profiled = {int(b) for b in args.profile.split(",") if b}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    shape = SHAPES[args.shape]
     bandwidth, flops = copy_bandwidth(), matmul_rate()
 
     with tempfile.TemporaryDirectory() as tmp:
-        write_tiny_qwen3(Path(tmp), device="cuda", torch_dtype="bfloat16", vocab_size=VOCAB,
-                         max_position_embeddings=40960, **shape)  # fmt: skip
+        write_weights(args.shape, Path(tmp), device="cuda")
         batches = [int(b) for b in args.batches.split(",")]
         prefills = [int(t) for t in args.prefill.split(",")]
         prefix_hits = [int(t) for t in args.prefix_hit.split(",") if t]
@@ -291,11 +287,17 @@ def main() -> None:
         ))  # fmt: skip
         load_s = time.perf_counter() - started
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    cfg = engine.model.cfg
-    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    model = engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg, block_size = model.cfg, engine.config.block_size
+    arenas = model.kv_arenas(block_size)
+    kv_bytes_per_token = sum(spec.bytes_per_block for spec in arenas) // block_size
+    attention_layers = arenas[0].num_layers
+    # Recurrent state: read and written in full by every decode step.
+    state_bytes_per_seq = 2 * sum(spec.bytes_per_slot for spec in model.state_arenas())
     # The embedding is gathered (a few rows), not streamed; the LM head is. Tied: one matrix.
-    embed_bytes = 0 if cfg.tie_word_embeddings else VOCAB * cfg.hidden_size * 2
+    vocab = model.vocab_size
+    embed_bytes = 0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size * 2
     streamed = weight_bytes - embed_bytes
     decode = []
     for batch in batches:
@@ -303,7 +305,7 @@ def main() -> None:
         step, replay, mixed = decode_step_time(
             engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt
         )
-        kv = batch * (args.context + args.steps // 2) * kv_bytes_per_token
+        kv = batch * ((args.context + args.steps // 2) * kv_bytes_per_token + state_bytes_per_seq)
         limit = (streamed + kv) / bandwidth
         decode.append({
             "batch": batch, "step_ms": step * 1e3, "forward_replay_ms": replay * 1e3,
@@ -313,11 +315,12 @@ def main() -> None:
         if mixed is not None:
             decode[-1]["step_with_prefill_ms"] = mixed * 1e3
         print(decode[-1], flush=True)
-    matmul_params = streamed - VOCAB * cfg.hidden_size * 2  # the LM head runs for one row
+    matmul_params = streamed - vocab * cfg.hidden_size * 2  # the LM head runs for one row
     prefill = []
     for tokens in prefills:
         t = prefill_time(engine, tokens)
-        attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # causal QK+PV
+        # Causal QK and PV of the full-attention layers.
+        attn = 2 * attention_layers * cfg.num_heads * cfg.head_dim * tokens * tokens
         flop = 2 * (matmul_params / 2) * tokens + attn
         prefill.append({"tokens": tokens, "time_ms": t * 1e3, "tflops": flop / t / 1e12,
                         "fraction_of_matmul_rate": flop / t / flops})  # fmt: skip
@@ -332,11 +335,13 @@ def main() -> None:
 
     revision = args.revision or git_revision()
     result = {
-        "shape": args.shape, "config": shape, "revision": revision,
+        "shape": args.shape, "config": SHAPES.get(args.shape) or QWEN35_SHAPES[args.shape],
+        "revision": revision,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "measured_copy_bandwidth_GBps": bandwidth / 1e9,
         "measured_bf16_matmul_TFLOPs": flops / 1e12,
-        "weight_bytes": weight_bytes, "engine_load_s": load_s,
+        "weight_bytes": weight_bytes, "state_bytes_per_seq_step": state_bytes_per_seq,
+        "engine_load_s": load_s,
         "num_kv_blocks": engine.config.num_kv_blocks, "async_scheduling": args.async_scheduling,
         "decode": decode, "prefill": prefill,
         "prefix_hit": prefix_hit,
