@@ -257,6 +257,10 @@ def main() -> None:
         "--async-scheduling", action="store_true",
         help="engine with --async-scheduling: a step's host work overlaps the previous step",
     )  # fmt: skip
+    parser.add_argument(
+        "--model-dir", type=Path, default=None,
+        help="a checkpoint of this shape written earlier (default: write one to a temp dir)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--profile", default="", help="batch sizes whose steps get a kernel profile beside --out"
@@ -270,7 +274,10 @@ def main() -> None:
     bandwidth, flops = copy_bandwidth(), matmul_rate()
 
     with tempfile.TemporaryDirectory() as tmp:
-        write_weights(args.shape, Path(tmp), device="cuda")
+        if args.model_dir is None:
+            write_weights(args.shape, Path(tmp), device="cuda")
+        else:
+            tmp = str(args.model_dir)
         batches = [int(b) for b in args.batches.split(",")]
         prefills = [int(t) for t in args.prefill.split(",")]
         prefix_hits = [int(t) for t in args.prefix_hit.split(",") if t]

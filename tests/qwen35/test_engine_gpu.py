@@ -179,7 +179,9 @@ def test_prefix_cache_hit_on_cuda_gives_the_cold_tokens(small):
     second = first + [(5 * k + 1) % 1000 for k in range(77)]
     outputs = []
     for caching in (True, False):
-        engine = gpu_engine(path, num_kv_blocks=256, enable_prefix_caching=caching)
+        engine = gpu_engine(
+            path, num_kv_blocks=256, max_model_len=1024, enable_prefix_caching=caching
+        )
         generate(engine, [first], greedy(8))
         outputs.append(generate(engine, [second], greedy(16)))
         if caching:
