@@ -147,7 +147,8 @@ def test_chunked_gated_delta_rule(
     out = chunked_gated_delta_rule(
         qkv, proj, a_log, dt_bias, states, torch.tensor(slots, device=device), plan, shape
     )
-    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    # The kernels' dots run on tensor cores in TF32 (10-bit mantissa), even for float32 inputs.
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
     for i, slot in enumerate(slots):
         rows = slice(bounds[i], bounds[i + 1])
         args = (a_log, dt_bias)
@@ -162,4 +163,20 @@ def test_chunked_gated_delta_rule(
             _, expected[target] = reference_delta_rule(
                 proj[head], qkv[head], *args, start_state, key_heads, recurrent=False
             )
-    assert rel_err(states, expected) < 1e-4
+    assert rel_err(states, expected) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 32, 128), (37, 4, 64)])
+def test_gated_rms_norm(dtype, tokens, heads, dim, device="cuda"):
+    from pegainfer.models.qwen35.kernels import gated_rms_norm
+
+    g = torch.Generator(device).manual_seed(tokens)
+    x = torch.randn(tokens, heads, dim, device=device, generator=g).to(dtype)
+    proj = torch.randn(tokens, 3 * heads * dim + 5, device=device, generator=g).to(dtype)
+    z = proj[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)
+    weight = (1 + 0.1 * torch.randn(dim, device=device, generator=g)).to(dtype)
+    ref = ops.gated_rms_norm(x, z, weight, 1e-6)
+    assert rel_err(gated_rms_norm(x, z, weight, 1e-6), ref) < (
+        1e-6 if dtype == torch.float32 else 8e-3
+    )

@@ -8,6 +8,7 @@ state in place in its slot of the layer's state arena.
 - `causal_conv1d`: one program per (sequence, channel block) walks the sequence's tokens in
   tiles, so it serves decode and prefill alike; it also leaves the conv window at a checkpoint.
 - `recurrent_gated_delta_rule`: decode (one token per sequence); captured in CUDA graphs.
+- `gated_rms_norm`: the DeltaNet's output norm, gated by SiLU(z) (reference: `ops.gated_rms_norm`).
 - `chunked_gated_delta_rule`: any step with longer chunks. Two launches, as flash-linear-attention
   splits it: first, independently per 64-token chunk and value head, the unit-triangular system
   of the chunk is inverted by forward substitution and applied to the keys and values (`W`,
@@ -232,6 +233,51 @@ def recurrent_gated_delta_rule(
 
 
 @triton.jit
+def _sub_block(
+    qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, offset, hk, hv, stride_qkv, stride_ab,
+    a_col, b_col, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Rows offset..offset+BC of a chunk: normalised q and k, v, the gates."""
+    rows = start + offset + tl.arange(0, BC)
+    mask = rows < end
+    ks, vs = tl.arange(0, DK), tl.arange(0, DV)
+    base = qkv_ptr + rows[:, None] * stride_qkv + hk * DK + ks[None, :]
+    q = _l2_normalize(tl.load(base, mask=mask[:, None], other=0.0).to(tl.float32))
+    k = _l2_normalize(tl.load(base + KEY_DIM, mask=mask[:, None], other=0.0).to(tl.float32))
+    v = tl.load(qkv_ptr + rows[:, None] * stride_qkv + 2 * KEY_DIM + hv * DV + vs[None, :],
+                mask=mask[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    g, beta = _gates(ab_ptr + rows * stride_ab, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, mask)
+    return rows, mask, q, k, v, g, beta
+
+
+@triton.jit
+def _inverse_unit_lower(a, BC: tl.constexpr):
+    """(I + a)^-1 of a strictly lower-triangular [BC, BC] a, by forward substitution: row r
+    of the inverse is e_r - sum_{j<r} a[r, j] T[j, :]."""
+    i = tl.arange(0, BC)[:, None]
+    j = tl.arange(0, BC)[None, :]
+    t = tl.where(i == j, 1.0, 0.0)
+    for r in range(1, BC):
+        a_row = tl.sum(tl.where(i == r, a, 0.0), axis=0)
+        t = tl.where(i == r, t - tl.sum(a_row[:, None] * t, axis=0)[None, :], t)
+    return t
+
+
+@triton.jit
+def _decayed(x, c_rows, c_cols, causal_diagonal: tl.constexpr, BC: tl.constexpr):
+    """x * exp(c_i - c_j), zero above the diagonal (strictly, or not) of a diagonal block."""
+    i = tl.arange(0, BC)[:, None]
+    j = tl.arange(0, BC)[None, :]
+    if causal_diagonal == 1:  # strictly lower
+        keep = i > j
+    elif causal_diagonal == 2:  # lower, diagonal included
+        keep = i >= j
+    else:  # an off-diagonal block: every row comes after every column
+        keep = i >= 0
+    return tl.where(keep, x * tl.exp(tl.where(keep, c_rows[:, None] - c_cols[None, :], 0.0)), 0.0)
+
+
+@triton.jit
 def _chunk_prepare_kernel(
     qkv_ptr,
     ab_ptr,
@@ -242,49 +288,106 @@ def _chunk_prepare_kernel(
     w_ptr,
     u_ptr,
     c_ptr,
+    aqk_ptr,
     stride_qkv,
     stride_ab,
     a_col,
     b_col,
+    scale,
     HV: tl.constexpr,
     KEY_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
-    BT: tl.constexpr,
+    BC: tl.constexpr,
 ):
+    """Per (chunk, value head), with the 64-token chunk as four blocks of BC=16 rows:
+    A[i, j] = beta_i exp(c_i - c_j) k_i.k_j (strictly lower), T = (I + A)^-1 blockwise (each
+    diagonal block by substitution, the blocks below it from those), W = T (beta exp(c) K),
+    U = T (beta V), and the chunk's causal decayed q.k matrix; all stored for the scan."""
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
     start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
     end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
-    rows = start + tl.arange(0, BT)
-    rmask = rows < end
+    args = (qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end)
+    more = (hk, hv, stride_qkv, stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC)
+    r0, m0, q0, k0, v0, g0, b0 = _sub_block(*args, 0, *more)
+    r1, m1, q1, k1, v1, g1, b1 = _sub_block(*args, BC, *more)
+    r2, m2, q2, k2, v2, g2, b2 = _sub_block(*args, 2 * BC, *more)
+    r3, m3, q3, k3, v3, g3, b3 = _sub_block(*args, 3 * BC, *more)
+    # Cumulative log-decay across the chunk.
+    c0 = tl.cumsum(g0, axis=0)
+    c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+    c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
+    c3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
+    tl.store(c_ptr + r0 * HV + hv, c0, mask=m0)
+    tl.store(c_ptr + r1 * HV + hv, c1, mask=m1)
+    tl.store(c_ptr + r2 * HV + hv, c2, mask=m2)
+    tl.store(c_ptr + r3 * HV + hv, c3, mask=m3)
+    # The causal decayed q.k matrix, block by block (zero above the diagonal).
+    ii = tl.arange(0, BC)[:, None]
+    jj = tl.arange(0, BC)[None, :]
+    aqk = aqk_ptr + (chunk * HV + hv) * (16 * BC * BC) + ii * (4 * BC) + jj
+    q0, q1, q2, q3 = q0 * scale, q1 * scale, q2 * scale, q3 * scale
+    zero = tl.zeros((BC, BC), dtype=tl.float32)
+    tl.store(aqk, _decayed(tl.dot(q0, tl.trans(k0)), c0, c0, 2, BC))
+    tl.store(aqk + BC, zero)
+    tl.store(aqk + 2 * BC, zero)
+    tl.store(aqk + 3 * BC, zero)
+    row1 = aqk + BC * 4 * BC
+    tl.store(row1, _decayed(tl.dot(q1, tl.trans(k0)), c1, c0, 0, BC))
+    tl.store(row1 + BC, _decayed(tl.dot(q1, tl.trans(k1)), c1, c1, 2, BC))
+    tl.store(row1 + 2 * BC, zero)
+    tl.store(row1 + 3 * BC, zero)
+    row2 = row1 + BC * 4 * BC
+    tl.store(row2, _decayed(tl.dot(q2, tl.trans(k0)), c2, c0, 0, BC))
+    tl.store(row2 + BC, _decayed(tl.dot(q2, tl.trans(k1)), c2, c1, 0, BC))
+    tl.store(row2 + 2 * BC, _decayed(tl.dot(q2, tl.trans(k2)), c2, c2, 2, BC))
+    tl.store(row2 + 3 * BC, zero)
+    row3 = row2 + BC * 4 * BC
+    tl.store(row3, _decayed(tl.dot(q3, tl.trans(k0)), c3, c0, 0, BC))
+    tl.store(row3 + BC, _decayed(tl.dot(q3, tl.trans(k1)), c3, c1, 0, BC))
+    tl.store(row3 + 2 * BC, _decayed(tl.dot(q3, tl.trans(k2)), c3, c2, 0, BC))
+    tl.store(row3 + 3 * BC, _decayed(tl.dot(q3, tl.trans(k3)), c3, c3, 2, BC))
+    # A by blocks (row scale beta), then T = (I + A)^-1 by blocks.
+    a10 = b1[:, None] * _decayed(tl.dot(k1, tl.trans(k0)), c1, c0, 0, BC)
+    a20 = b2[:, None] * _decayed(tl.dot(k2, tl.trans(k0)), c2, c0, 0, BC)
+    a21 = b2[:, None] * _decayed(tl.dot(k2, tl.trans(k1)), c2, c1, 0, BC)
+    a30 = b3[:, None] * _decayed(tl.dot(k3, tl.trans(k0)), c3, c0, 0, BC)
+    a31 = b3[:, None] * _decayed(tl.dot(k3, tl.trans(k1)), c3, c1, 0, BC)
+    a32 = b3[:, None] * _decayed(tl.dot(k3, tl.trans(k2)), c3, c2, 0, BC)
+    t00 = _inverse_unit_lower(b0[:, None] * _decayed(tl.dot(k0, tl.trans(k0)), c0, c0, 1, BC), BC)
+    t11 = _inverse_unit_lower(b1[:, None] * _decayed(tl.dot(k1, tl.trans(k1)), c1, c1, 1, BC), BC)
+    t22 = _inverse_unit_lower(b2[:, None] * _decayed(tl.dot(k2, tl.trans(k2)), c2, c2, 1, BC), BC)
+    t33 = _inverse_unit_lower(b3[:, None] * _decayed(tl.dot(k3, tl.trans(k3)), c3, c3, 1, BC), BC)
+    t10 = -tl.dot(t11, tl.dot(a10, t00))
+    t21 = -tl.dot(t22, tl.dot(a21, t11))
+    t20 = -tl.dot(t22, tl.dot(a20, t00) + tl.dot(a21, t10))
+    t32 = -tl.dot(t33, tl.dot(a32, t22))
+    t31 = -tl.dot(t33, tl.dot(a31, t11) + tl.dot(a32, t21))
+    t30 = -tl.dot(t33, tl.dot(a30, t00) + tl.dot(a31, t10) + tl.dot(a32, t20))
+    # W = T (beta exp(c) K) and U = T (beta V), block row by block row.
+    kb0, kb1 = k0 * (b0 * tl.exp(c0))[:, None], k1 * (b1 * tl.exp(c1))[:, None]
+    kb2, kb3 = k2 * (b2 * tl.exp(c2))[:, None], k3 * (b3 * tl.exp(c3))[:, None]
+    vb0, vb1, vb2, vb3 = v0 * b0[:, None], v1 * b1[:, None], v2 * b2[:, None], v3 * b3[:, None]
     ks, vs = tl.arange(0, DK), tl.arange(0, DV)
-    k = tl.load(qkv_ptr + rows[:, None] * stride_qkv + KEY_DIM + hk * DK + ks[None, :],
-                mask=rmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    k = _l2_normalize(k)
-    v = tl.load(qkv_ptr + rows[:, None] * stride_qkv + 2 * KEY_DIM + hv * DV + vs[None, :],
-                mask=rmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    g, beta = _gates(ab_ptr + rows * stride_ab, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, rmask)
-    c = tl.cumsum(g, axis=0)  # cumulative log-decay within the chunk
-    tl.store(c_ptr + rows * HV + hv, c, mask=rmask)
-    i = tl.arange(0, BT)[:, None]
-    j = tl.arange(0, BT)[None, :]
-    # A[i, j] = beta_i exp(c_i - c_j) k_i.k_j below the diagonal; T = (I + A)^-1 by forward
-    # substitution, row r of T being e_r - sum_{j<r} A[r, j] T[j, :].
-    kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-    decay = tl.exp(tl.where(i > j, c[:, None] - c[None, :], 0.0))
-    a = tl.where(i > j, beta[:, None] * kk * decay, 0.0)
-    t = tl.where(i == j, 1.0, 0.0)
-    for r in range(1, BT):
-        a_row = tl.sum(tl.where(i == r, a, 0.0), axis=0)
-        t = tl.where(i == r, t - tl.sum(a_row[:, None] * t, axis=0)[None, :], t)
-    w = tl.dot(t, k * (beta * tl.exp(c))[:, None], input_precision="ieee")
-    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
-    w_rows = (rows * HV + hv)[:, None]
-    tl.store(w_ptr + w_rows * DK + ks[None, :], w, mask=rmask[:, None])
-    tl.store(u_ptr + w_rows * DV + vs[None, :], u, mask=rmask[:, None])
+    w_at = w_ptr + hv * DK + ks[None, :]
+    u_at = u_ptr + hv * DV + vs[None, :]
+    tl.store(w_at + (r0 * HV * DK)[:, None], tl.dot(t00, kb0), mask=m0[:, None])
+    tl.store(u_at + (r0 * HV * DV)[:, None], tl.dot(t00, vb0), mask=m0[:, None])
+    tl.store(w_at + (r1 * HV * DK)[:, None], tl.dot(t10, kb0) + tl.dot(t11, kb1),
+             mask=m1[:, None])  # fmt: skip
+    tl.store(u_at + (r1 * HV * DV)[:, None], tl.dot(t10, vb0) + tl.dot(t11, vb1),
+             mask=m1[:, None])  # fmt: skip
+    w2 = tl.dot(t20, kb0) + tl.dot(t21, kb1) + tl.dot(t22, kb2)
+    tl.store(w_at + (r2 * HV * DK)[:, None], w2, mask=m2[:, None])
+    u2 = tl.dot(t20, vb0) + tl.dot(t21, vb1) + tl.dot(t22, vb2)
+    tl.store(u_at + (r2 * HV * DV)[:, None], u2, mask=m2[:, None])
+    w3 = tl.dot(t30, kb0) + tl.dot(t31, kb1) + tl.dot(t32, kb2) + tl.dot(t33, kb3)
+    tl.store(w_at + (r3 * HV * DK)[:, None], w3, mask=m3[:, None])
+    u3 = tl.dot(t30, vb0) + tl.dot(t31, vb1) + tl.dot(t32, vb2) + tl.dot(t33, vb3)
+    tl.store(u_at + (r3 * HV * DV)[:, None], u3, mask=m3[:, None])
 
 
 @triton.jit
@@ -293,6 +396,7 @@ def _chunk_scan_kernel(
     w_ptr,
     u_ptr,
     c_ptr,
+    aqk_ptr,
     out_ptr,
     state_ptr,
     slots_ptr,
@@ -312,20 +416,22 @@ def _chunk_scan_kernel(
     BV: tl.constexpr,
     BT: tl.constexpr,
 ):
+    """Per (sequence, value head, value block): the state across the sequence's chunks. With
+    u = U - W S, the chunk's outputs are exp(c) (q S) + Aqk u and it leaves
+    S' = exp(c_last) S + (K exp(c_last - c))^T u."""
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
     ks = tl.arange(0, DK)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
-    i = tl.arange(0, BT)[:, None]
-    j = tl.arange(0, BT)[None, :]
+    ts = tl.arange(0, BT)
     offsets = hv * DK * DV + ks[:, None] * DV + vs[None, :]
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     s = tl.load(state_ptr + slot * stride_state_slot + offsets)  # [DK, BV] float32
     for chunk in range(tl.load(seq_chunks_ptr + seq), tl.load(seq_chunks_ptr + seq + 1)):
         start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
         end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
-        rows = start + tl.arange(0, BT)
+        rows = start + ts
         rmask = rows < end
         base = qkv_ptr + rows[:, None] * stride_qkv + hk * DK + ks[None, :]
         q = _l2_normalize(tl.load(base, mask=rmask[:, None], other=0.0).to(tl.float32)) * scale
@@ -335,15 +441,13 @@ def _chunk_scan_kernel(
         w_rows = (rows * HV + hv)[:, None]
         w = tl.load(w_ptr + w_rows * DK + ks[None, :], mask=rmask[:, None], other=0.0)
         u = tl.load(u_ptr + w_rows * DV + vs[None, :], mask=rmask[:, None], other=0.0)
-        u = u - tl.dot(w, s, input_precision="ieee")  # the chunk's updates given the state
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        attn = tl.where(i >= j, qk * tl.exp(tl.where(i >= j, c[:, None] - c[None, :], 0.0)), 0.0)
-        o = tl.exp(c)[:, None] * tl.dot(q, s, input_precision="ieee")
-        o += tl.dot(attn, u, input_precision="ieee")
+        aqk = tl.load(aqk_ptr + (chunk * HV + hv) * BT * BT + ts[:, None] * BT + ts[None, :])
+        u = u - tl.dot(w, s)  # the chunk's updates given the state
+        o = tl.exp(c)[:, None] * tl.dot(q, s) + tl.dot(aqk, u)
         tl.store(out_ptr + rows[:, None] * stride_out + hv * DV + vs[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])  # fmt: skip
-        k_tail = k * tl.exp(c_last - c)[:, None]
-        s = tl.exp(c_last) * s + tl.dot(tl.trans(k_tail), u, input_precision="ieee")
+        k_tail = k * tl.where(rmask, tl.exp(c_last - c), 0.0)[:, None]
+        s = tl.exp(c_last) * s + tl.dot(tl.trans(k_tail), u)
         snapshot = tl.load(chunk_snapshot_ptr + chunk)
         if snapshot >= 0:  # a checkpoint after this chunk
             tl.store(state_ptr + snapshot.to(tl.int64) * stride_state_slot + offsets, s)
@@ -408,18 +512,56 @@ def chunked_gated_delta_rule(
     w = torch.empty(tokens, heads, dk, dtype=torch.float32, device=device)
     u = torch.empty(tokens, heads, dv, dtype=torch.float32, device=device)
     c = torch.empty(tokens, heads, dtype=torch.float32, device=device)
+    aqk = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, dtype=torch.float32, device=device)
     out = torch.empty(tokens, heads, dv, dtype=qkv.dtype, device=device)
     key_dim, group = shape.num_key_heads * dk, heads // shape.num_key_heads
     a_col, b_col = proj.shape[1] - heads, proj.shape[1] - 2 * heads
     _chunk_prepare_kernel[(plan.num_chunks, heads)](
-        qkv, proj, a_log, dt_bias, plan.start, plan.end, w, u, c, qkv.stride(0), proj.stride(0),
-        a_col, b_col, HV=heads, KEY_DIM=key_dim, GROUP=group, DK=dk, DV=dv, BT=CHUNK,
-        num_warps=8,
+        qkv, proj, a_log, dt_bias, plan.start, plan.end, w, u, c, aqk, qkv.stride(0),
+        proj.stride(0), a_col, b_col, dk**-0.5, HV=heads, KEY_DIM=key_dim, GROUP=group, DK=dk,
+        DV=dv, BC=CHUNK // 4, num_warps=4,
     )  # fmt: skip
     bv = min(dv, 32)
     _chunk_scan_kernel[(slots.shape[0], heads, dv // bv)](
-        qkv, w, u, c, out, states, slots, plan.seq_chunks, plan.start, plan.end, plan.snapshot,
+        qkv, w, u, c, aqk, out, states, slots, plan.seq_chunks, plan.start, plan.end,
+        plan.snapshot,
         qkv.stride(0), out.stride(0), states.stride(0), dk**-0.5, HV=heads, KEY_DIM=key_dim,
-        GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, num_warps=8,
+        GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, num_warps=4,
     )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr, rows, heads, stride_z, eps,
+    D: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = r < rows
+    cols = tl.arange(0, D)
+    m = rmask[:, None]
+    x = tl.load(x_ptr + r[:, None] * D + cols[None, :], mask=m, other=0.0)
+    z_rows = (r // heads) * stride_z + (r % heads) * D
+    z = tl.load(z_ptr + z_rows[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]).to(x.dtype)
+    # As transformers: weight * norm in the input dtype, then times SiLU(z) in float32.
+    scaled = (tl.load(w_ptr + cols)[None, :] * normed).to(x.dtype).to(tl.float32)
+    out = scaled * z * tl.sigmoid(z)
+    tl.store(out_ptr + r[:, None] * D + cols[None, :], out.to(x.dtype), mask=m)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`weight * norm(x) * silu(z)` per head: x [T, H, D] contiguous, z [T, H, D] with rows of
+    any stride (a view into the input projection)."""
+    tokens, heads, dim = x.shape
+    assert x.is_contiguous() and z.stride(2) == 1 and z.stride(1) == dim
+    assert weight.dtype == x.dtype
+    out = torch.empty_like(x)
+    rows, block = tokens * heads, 16
+    _gated_rms_norm_kernel[(triton.cdiv(rows, block),)](
+        x, z, weight, out, rows, heads, z.stride(0), eps, D=dim, ROWS=block
+    )
     return out

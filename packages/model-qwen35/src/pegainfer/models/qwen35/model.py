@@ -186,9 +186,12 @@ class GatedDeltaNet(nn.Module):
         z = proj[:, channels : channels + heads * dv].view(tokens, heads, dv)
         if step is None:
             out = self._reference(proj, batch, conv_states, recurrent_states)
+            out = ops.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
         else:
+            from pegainfer.models.qwen35 import kernels
+
             out = self._kernels(proj, step, conv_states, recurrent_states)
-        out = ops.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
+            out = kernels.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
         return F.linear(out.reshape(tokens, -1), self.out_proj)
 
     def _kernels(
