@@ -310,12 +310,22 @@ def _chunk_prepare_kernel(
     hk = hv // GROUP
     start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
     end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
-    args = (qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end)
-    more = (hk, hv, stride_qkv, stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC)
-    r0, m0, q0, k0, v0, g0, b0 = _sub_block(*args, 0, *more)
-    r1, m1, q1, k1, v1, g1, b1 = _sub_block(*args, BC, *more)
-    r2, m2, q2, k2, v2, g2, b2 = _sub_block(*args, 2 * BC, *more)
-    r3, m3, q3, k3, v3, g3, b3 = _sub_block(*args, 3 * BC, *more)
+    r0, m0, q0, k0, v0, g0, b0 = _sub_block(
+        qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, 0, hk, hv, stride_qkv,
+        stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC,
+    )  # fmt: skip
+    r1, m1, q1, k1, v1, g1, b1 = _sub_block(
+        qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, BC, hk, hv, stride_qkv,
+        stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC,
+    )  # fmt: skip
+    r2, m2, q2, k2, v2, g2, b2 = _sub_block(
+        qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, 2 * BC, hk, hv, stride_qkv,
+        stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC,
+    )  # fmt: skip
+    r3, m3, q3, k3, v3, g3, b3 = _sub_block(
+        qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, 3 * BC, hk, hv, stride_qkv,
+        stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC,
+    )  # fmt: skip
     # Cumulative log-decay across the chunk.
     c0 = tl.cumsum(g0, axis=0)
     c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
