@@ -225,9 +225,7 @@ def test_golden_gate_at_qwen35_4b_shapes(real_shapes):
         for start in range(0, len(cases), 9):
             passes[name] += forcer.run(cases[start : start + 9], cached_prefix=cached)
     long_pass = {"prompt_4500": forcer.run([long])}
-    summary = judge(passes, refs[:-1], refs32[:-1])
-    summary |= judge(long_pass, refs[-1:], refs32[-1:])
-    out = os.environ.get("GATE_JSON")
-    if out:
-        Path(out).write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
+    out = Path(os.environ["GATE_JSON"]) if os.environ.get("GATE_JSON") else None
+    long_out = None if out is None else out.with_name(f"{out.stem}_prompt_4500.json")
+    print(json.dumps(judge(passes, refs[:-1], refs32[:-1], out), indent=2))
+    print(json.dumps(judge(long_pass, refs[-1:], refs32[-1:], long_out), indent=2))

@@ -233,6 +233,13 @@ def recurrent_gated_delta_rule(
 
 
 @triton.jit
+def _dot(a, b):
+    """Float32 products on tensor cores in three TF32 passes (float32 accuracy): with one
+    pass (10-bit mantissa) the 4B golden gate's p99 drifted past its tolerance."""
+    return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
 def _sub_block(
     qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, offset, hk, hv, stride_qkv, stride_ab,
     a_col, b_col, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
@@ -341,42 +348,42 @@ def _chunk_prepare_kernel(
     aqk = aqk_ptr + (chunk * HV + hv) * (16 * BC * BC) + ii * (4 * BC) + jj
     q0, q1, q2, q3 = q0 * scale, q1 * scale, q2 * scale, q3 * scale
     zero = tl.zeros((BC, BC), dtype=tl.float32)
-    tl.store(aqk, _decayed(tl.dot(q0, tl.trans(k0)), c0, c0, 2, BC))
+    tl.store(aqk, _decayed(_dot(q0, tl.trans(k0)), c0, c0, 2, BC))
     tl.store(aqk + BC, zero)
     tl.store(aqk + 2 * BC, zero)
     tl.store(aqk + 3 * BC, zero)
     row1 = aqk + BC * 4 * BC
-    tl.store(row1, _decayed(tl.dot(q1, tl.trans(k0)), c1, c0, 0, BC))
-    tl.store(row1 + BC, _decayed(tl.dot(q1, tl.trans(k1)), c1, c1, 2, BC))
+    tl.store(row1, _decayed(_dot(q1, tl.trans(k0)), c1, c0, 0, BC))
+    tl.store(row1 + BC, _decayed(_dot(q1, tl.trans(k1)), c1, c1, 2, BC))
     tl.store(row1 + 2 * BC, zero)
     tl.store(row1 + 3 * BC, zero)
     row2 = row1 + BC * 4 * BC
-    tl.store(row2, _decayed(tl.dot(q2, tl.trans(k0)), c2, c0, 0, BC))
-    tl.store(row2 + BC, _decayed(tl.dot(q2, tl.trans(k1)), c2, c1, 0, BC))
-    tl.store(row2 + 2 * BC, _decayed(tl.dot(q2, tl.trans(k2)), c2, c2, 2, BC))
+    tl.store(row2, _decayed(_dot(q2, tl.trans(k0)), c2, c0, 0, BC))
+    tl.store(row2 + BC, _decayed(_dot(q2, tl.trans(k1)), c2, c1, 0, BC))
+    tl.store(row2 + 2 * BC, _decayed(_dot(q2, tl.trans(k2)), c2, c2, 2, BC))
     tl.store(row2 + 3 * BC, zero)
     row3 = row2 + BC * 4 * BC
-    tl.store(row3, _decayed(tl.dot(q3, tl.trans(k0)), c3, c0, 0, BC))
-    tl.store(row3 + BC, _decayed(tl.dot(q3, tl.trans(k1)), c3, c1, 0, BC))
-    tl.store(row3 + 2 * BC, _decayed(tl.dot(q3, tl.trans(k2)), c3, c2, 0, BC))
-    tl.store(row3 + 3 * BC, _decayed(tl.dot(q3, tl.trans(k3)), c3, c3, 2, BC))
+    tl.store(row3, _decayed(_dot(q3, tl.trans(k0)), c3, c0, 0, BC))
+    tl.store(row3 + BC, _decayed(_dot(q3, tl.trans(k1)), c3, c1, 0, BC))
+    tl.store(row3 + 2 * BC, _decayed(_dot(q3, tl.trans(k2)), c3, c2, 0, BC))
+    tl.store(row3 + 3 * BC, _decayed(_dot(q3, tl.trans(k3)), c3, c3, 2, BC))
     # A by blocks (row scale beta), then T = (I + A)^-1 by blocks.
-    a10 = b1[:, None] * _decayed(tl.dot(k1, tl.trans(k0)), c1, c0, 0, BC)
-    a20 = b2[:, None] * _decayed(tl.dot(k2, tl.trans(k0)), c2, c0, 0, BC)
-    a21 = b2[:, None] * _decayed(tl.dot(k2, tl.trans(k1)), c2, c1, 0, BC)
-    a30 = b3[:, None] * _decayed(tl.dot(k3, tl.trans(k0)), c3, c0, 0, BC)
-    a31 = b3[:, None] * _decayed(tl.dot(k3, tl.trans(k1)), c3, c1, 0, BC)
-    a32 = b3[:, None] * _decayed(tl.dot(k3, tl.trans(k2)), c3, c2, 0, BC)
-    t00 = _inverse_unit_lower(b0[:, None] * _decayed(tl.dot(k0, tl.trans(k0)), c0, c0, 1, BC), BC)
-    t11 = _inverse_unit_lower(b1[:, None] * _decayed(tl.dot(k1, tl.trans(k1)), c1, c1, 1, BC), BC)
-    t22 = _inverse_unit_lower(b2[:, None] * _decayed(tl.dot(k2, tl.trans(k2)), c2, c2, 1, BC), BC)
-    t33 = _inverse_unit_lower(b3[:, None] * _decayed(tl.dot(k3, tl.trans(k3)), c3, c3, 1, BC), BC)
-    t10 = -tl.dot(t11, tl.dot(a10, t00))
-    t21 = -tl.dot(t22, tl.dot(a21, t11))
-    t20 = -tl.dot(t22, tl.dot(a20, t00) + tl.dot(a21, t10))
-    t32 = -tl.dot(t33, tl.dot(a32, t22))
-    t31 = -tl.dot(t33, tl.dot(a31, t11) + tl.dot(a32, t21))
-    t30 = -tl.dot(t33, tl.dot(a30, t00) + tl.dot(a31, t10) + tl.dot(a32, t20))
+    a10 = b1[:, None] * _decayed(_dot(k1, tl.trans(k0)), c1, c0, 0, BC)
+    a20 = b2[:, None] * _decayed(_dot(k2, tl.trans(k0)), c2, c0, 0, BC)
+    a21 = b2[:, None] * _decayed(_dot(k2, tl.trans(k1)), c2, c1, 0, BC)
+    a30 = b3[:, None] * _decayed(_dot(k3, tl.trans(k0)), c3, c0, 0, BC)
+    a31 = b3[:, None] * _decayed(_dot(k3, tl.trans(k1)), c3, c1, 0, BC)
+    a32 = b3[:, None] * _decayed(_dot(k3, tl.trans(k2)), c3, c2, 0, BC)
+    t00 = _inverse_unit_lower(b0[:, None] * _decayed(_dot(k0, tl.trans(k0)), c0, c0, 1, BC), BC)
+    t11 = _inverse_unit_lower(b1[:, None] * _decayed(_dot(k1, tl.trans(k1)), c1, c1, 1, BC), BC)
+    t22 = _inverse_unit_lower(b2[:, None] * _decayed(_dot(k2, tl.trans(k2)), c2, c2, 1, BC), BC)
+    t33 = _inverse_unit_lower(b3[:, None] * _decayed(_dot(k3, tl.trans(k3)), c3, c3, 1, BC), BC)
+    t10 = -_dot(t11, _dot(a10, t00))
+    t21 = -_dot(t22, _dot(a21, t11))
+    t20 = -_dot(t22, _dot(a20, t00) + _dot(a21, t10))
+    t32 = -_dot(t33, _dot(a32, t22))
+    t31 = -_dot(t33, _dot(a31, t11) + _dot(a32, t21))
+    t30 = -_dot(t33, _dot(a30, t00) + _dot(a31, t10) + _dot(a32, t20))
     # W = T (beta exp(c) K) and U = T (beta V), block row by block row.
     kb0, kb1 = k0 * (b0 * tl.exp(c0))[:, None], k1 * (b1 * tl.exp(c1))[:, None]
     kb2, kb3 = k2 * (b2 * tl.exp(c2))[:, None], k3 * (b3 * tl.exp(c3))[:, None]
@@ -384,19 +391,19 @@ def _chunk_prepare_kernel(
     ks, vs = tl.arange(0, DK), tl.arange(0, DV)
     w_at = w_ptr + hv * DK + ks[None, :]
     u_at = u_ptr + hv * DV + vs[None, :]
-    tl.store(w_at + (r0 * HV * DK)[:, None], tl.dot(t00, kb0), mask=m0[:, None])
-    tl.store(u_at + (r0 * HV * DV)[:, None], tl.dot(t00, vb0), mask=m0[:, None])
-    tl.store(w_at + (r1 * HV * DK)[:, None], tl.dot(t10, kb0) + tl.dot(t11, kb1),
+    tl.store(w_at + (r0 * HV * DK)[:, None], _dot(t00, kb0), mask=m0[:, None])
+    tl.store(u_at + (r0 * HV * DV)[:, None], _dot(t00, vb0), mask=m0[:, None])
+    tl.store(w_at + (r1 * HV * DK)[:, None], _dot(t10, kb0) + _dot(t11, kb1),
              mask=m1[:, None])  # fmt: skip
-    tl.store(u_at + (r1 * HV * DV)[:, None], tl.dot(t10, vb0) + tl.dot(t11, vb1),
+    tl.store(u_at + (r1 * HV * DV)[:, None], _dot(t10, vb0) + _dot(t11, vb1),
              mask=m1[:, None])  # fmt: skip
-    w2 = tl.dot(t20, kb0) + tl.dot(t21, kb1) + tl.dot(t22, kb2)
+    w2 = _dot(t20, kb0) + _dot(t21, kb1) + _dot(t22, kb2)
     tl.store(w_at + (r2 * HV * DK)[:, None], w2, mask=m2[:, None])
-    u2 = tl.dot(t20, vb0) + tl.dot(t21, vb1) + tl.dot(t22, vb2)
+    u2 = _dot(t20, vb0) + _dot(t21, vb1) + _dot(t22, vb2)
     tl.store(u_at + (r2 * HV * DV)[:, None], u2, mask=m2[:, None])
-    w3 = tl.dot(t30, kb0) + tl.dot(t31, kb1) + tl.dot(t32, kb2) + tl.dot(t33, kb3)
+    w3 = _dot(t30, kb0) + _dot(t31, kb1) + _dot(t32, kb2) + _dot(t33, kb3)
     tl.store(w_at + (r3 * HV * DK)[:, None], w3, mask=m3[:, None])
-    u3 = tl.dot(t30, vb0) + tl.dot(t31, vb1) + tl.dot(t32, vb2) + tl.dot(t33, vb3)
+    u3 = _dot(t30, vb0) + _dot(t31, vb1) + _dot(t32, vb2) + _dot(t33, vb3)
     tl.store(u_at + (r3 * HV * DV)[:, None], u3, mask=m3[:, None])
 
 
@@ -452,12 +459,12 @@ def _chunk_scan_kernel(
         w = tl.load(w_ptr + w_rows * DK + ks[None, :], mask=rmask[:, None], other=0.0)
         u = tl.load(u_ptr + w_rows * DV + vs[None, :], mask=rmask[:, None], other=0.0)
         aqk = tl.load(aqk_ptr + (chunk * HV + hv) * BT * BT + ts[:, None] * BT + ts[None, :])
-        u = u - tl.dot(w, s)  # the chunk's updates given the state
-        o = tl.exp(c)[:, None] * tl.dot(q, s) + tl.dot(aqk, u)
+        u = u - _dot(w, s)  # the chunk's updates given the state
+        o = tl.exp(c)[:, None] * _dot(q, s) + _dot(aqk, u)
         tl.store(out_ptr + rows[:, None] * stride_out + hv * DV + vs[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])  # fmt: skip
         k_tail = k * tl.where(rmask, tl.exp(c_last - c), 0.0)[:, None]
-        s = tl.exp(c_last) * s + tl.dot(tl.trans(k_tail), u)
+        s = tl.exp(c_last) * s + _dot(tl.trans(k_tail), u)
         snapshot = tl.load(chunk_snapshot_ptr + chunk)
         if snapshot >= 0:  # a checkpoint after this chunk
             tl.store(state_ptr + snapshot.to(tl.int64) * stride_state_slot + offsets, s)
