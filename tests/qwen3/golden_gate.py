@@ -132,10 +132,11 @@ def judge(
     refs16: list[torch.Tensor],
     refs32: list[torch.Tensor],
     out: Path | None = None,
+    check: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Score every pass against transformers in bf16 (the gate) and in float32, beside the
-    floor (transformers' bf16 against its float32); write the table to `out`, then check every
-    pass against bf16 at the gate's tolerances."""
+    floor (transformers' bf16 against its float32); write the table to `out`, then (with
+    `check`) check every pass against bf16 at the gate's tolerances."""
     floor = GateResult()
     for ref16, ref32 in zip(refs16, refs32, strict=True):
         floor.add(ref16, ref32)
@@ -151,8 +152,9 @@ def judge(
         gates[name] = vs16
     if out is not None:
         out.write_text(json.dumps(summary, indent=2))
-    for name, gate in gates.items():
-        gate.check(name)
+    if check:
+        for name, gate in gates.items():
+            gate.check(name)
     return summary
 
 
