@@ -172,12 +172,69 @@ BAD_REQUESTS = {
         "vocabulary",
     ),
     "echo": (COMPLETIONS, completion(echo=True), 400, "echo", None),
-    "response-format-json": (
+    "response-format-type": (
         CHAT,
-        chat(response_format={"type": "json_object"}),
+        chat(response_format={"type": "yaml"}),
         400,
         "response_format",
+        "json_schema",
+    ),
+    "response-format-no-schema": (
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
         "response_format",
+        "schema",
+    ),
+    "two-constraints": (
+        COMPLETIONS,
+        completion(guided_regex="a+", response_format={"type": "json_object"}),
+        400,
+        "guided_regex",
+        "one output constraint",
+    ),
+    "bad-regex": (COMPLETIONS, completion(guided_regex="[a-"), 400, "guided_regex", "regex"),
+    "bad-json-schema": (
+        COMPLETIONS,
+        completion(structured_outputs={"json": {"type": "nonsense"}}),
+        400,
+        "json_schema",  # found when compiled against the tokenizer, which knows no field names
+        "nonsense",
+    ),
+    "unknown-structured-output": (
+        COMPLETIONS,
+        completion(structured_outputs={"xml": "<a/>"}),
+        400,
+        "structured_outputs.xml",
+        None,
+    ),
+    "constraint-with-ignore-eos": (
+        COMPLETIONS,
+        completion(guided_choice=["a", "b"], ignore_eos=True),
+        400,
+        "ignore_eos",
+        "structured output",
+    ),
+    "tool-choice-unknown-function": (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+        "'g'",
+    ),
+    "tool-choice-with-response-format": (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        ),
+        400,
+        "response_format",
+        "tool_choice",
     ),
     "tools": (
         CHAT,

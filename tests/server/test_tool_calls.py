@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from pegainfer.server.chat import AnswerParser
+from pegainfer.server.tool_calls import TOOL_CALL_PARSERS
 from tests.server.conftest import start_server, stop_server
 
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -25,7 +26,7 @@ CASES = [
 
 
 def parse(pieces: list[str], kind: str = "hermes") -> tuple[str, list[tuple[str, dict]]]:
-    parser, content, calls = AnswerParser(None, kind), "", []
+    parser, content, calls = AnswerParser(None, TOOL_CALL_PARSERS[kind]), "", []
     for n, piece in enumerate(pieces):
         _, text, new = parser.feed(piece, last=n == len(pieces) - 1)
         content += text
@@ -60,7 +61,7 @@ def test_qwen35_xml_calls_in_every_cut(text, content, calls):
 
 
 def test_reasoning_then_a_call():
-    parser = AnswerParser("qwen3", "hermes")
+    parser = AnswerParser("qwen3", TOOL_CALL_PARSERS["hermes"])
     reasoning, content, calls = parser.feed("<think>\nNeed weather.\n</think>\n\n" + CALL, True)
     assert reasoning == "\nNeed weather.\n" and content == "" and calls[0].name == "weather"
     assert calls[0].id.startswith("call_")
@@ -106,9 +107,44 @@ def test_a_tool_round_trip_is_rendered_and_answered(tool_server):
     assert reasons[-1] in {"stop", "length", "tool_calls"}
 
 
-def test_tool_choice_required_is_refused_until_decoding_is_constrained(tool_server):
+# Bounded arguments, so that a random model's constrained answer ends within max_tokens.
+BOUNDED = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                     "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+    for name in ("weather", "tides")]  # fmt: skip
+
+
+def check_arguments(arguments: str) -> None:
+    parsed = json.loads(arguments)
+    assert set(parsed) == {"city", "days"} and parsed["days"] in (1, 2, 3)
+    assert isinstance(parsed["city"], str) and len(parsed["city"]) <= 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "tides"])
+def test_forced_tool_choice_is_decoded_into_calls(tool_server, choice, stream):
+    """tool_choice "required" and a named function constrain the random model's answer to
+    calls of the offered tools, whose arguments match their schema (three seeds each)."""
     client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(model=tool_server.model, tools=TOOLS, max_tokens=4,
-                                       tool_choice="required",
-                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    tool_choice = choice if choice == "required" else {"type": "function",
+                                                       "function": {"name": choice}}  # fmt: skip
+    for seed in range(3):
+        kwargs = dict(model=tool_server.model, tools=BOUNDED, tool_choice=tool_choice,
+                      max_tokens=200, seed=seed, temperature=1.0,
+                      messages=[{"role": "user", "content": "Weather in Paris?"}])  # fmt: skip
+        if stream:
+            deltas = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs)
+                      if c.choices]  # fmt: skip
+            calls = [call for d in deltas for call in d.delta.tool_calls or []]
+            reason = deltas[-1].finish_reason
+            assert "".join(d.delta.content or "" for d in deltas) == ""
+        else:
+            message = client.chat.completions.create(**kwargs).choices[0]
+            calls, reason = message.message.tool_calls, message.finish_reason
+            assert message.message.content is None
+        assert reason == "tool_calls" and calls
+        for call in calls:
+            assert call.function.name == choice or choice == "required"
+            assert call.function.name in {"weather", "tides"} and call.id.startswith("call_")
+            check_arguments(call.function.arguments)

@@ -34,6 +34,7 @@ from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
 from pegainfer.core.sampler import sample_requests
 from pegainfer.core.scheduler import SchedulerConfig, SchedulerStep
+from pegainfer.core.structured_output import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.async_scheduling = args.async_scheduling
         self._in_flight: _Launched | None = None
+        self.grammars = Grammars(tokenizer_dir, self.config.vocab_size)
 
     def _default_num_blocks(
         self,
@@ -265,6 +267,8 @@ class EngineCore:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         msg.params.validate(vocab)
+        if msg.params.structured is not None:  # compiles against the tokenizer, or says why not
+            self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
         limit = self.config.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequestError(
@@ -289,6 +293,8 @@ class EngineCore:
         if msg.params.seed is not None:
             generator = torch.Generator(self.config.device).manual_seed(msg.params.seed)
         request = Request(msg, max_tokens, generator)
+        if msg.params.structured is not None:
+            request.grammar = self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
         self.requests[msg.request_id] = request
         self.scheduler.add(request)
 
@@ -311,9 +317,9 @@ class EngineCore:
         """
         early: list[RequestOutput] = []
         if self._in_flight is not None and any(
-            r.params.has_penalties for r in self.scheduler.running
+            r.needs_known_tokens for r in self.scheduler.running
         ):
-            # Penalties count every sampled token: bring the pending ones home first.
+            # Penalties and grammars follow every sampled token: bring pending ones home first.
             early, self._in_flight = self._commit(self._in_flight), None
         step = self.scheduler.schedule()
         for request, blocks in step.restores:

@@ -47,6 +47,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
+        self.grammar: Any = None  # its llguidance matcher, with structured output
 
     #: Stands in token_ids for a token sampled by a step still on the GPU (async scheduling).
     PENDING = -1
@@ -67,6 +68,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def needs_known_tokens(self) -> bool:
+        """Whether sampling its next token needs every earlier one on the host (penalties
+        count them, a grammar's mask follows them)."""
+        return self.params.has_penalties or self.grammar is not None
 
     def banned_token_ids(self) -> frozenset[int]:
         """Tokens the sampler must not pick yet: stops are held off until `min_tokens`."""
@@ -91,8 +98,12 @@ class Request:
         self.token_ids[index] = token_id
         self.num_pending -= 1
         outputs = index + 1 - self.num_prompt_tokens
+        if self.grammar is not None:
+            self.grammar.consume_token(token_id)
         if token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
             self.finish_reason, self.stop_token_id = "stop", token_id
+        elif self.grammar is not None and self.grammar.is_stopped():
+            self.finish_reason = "stop"  # the grammar allows nothing more
         elif outputs >= self.max_tokens or index + 1 >= max_model_len:
             self.finish_reason = "length"
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pegainfer.core.request import Request
+from pegainfer.core.structured_output import mask_logits
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,14 @@ def sample_requests(
     """One token per request (rows of `logits` in request order), on the logits' device: the
     caller copies them to the host once, when it needs them.
 
-    All-greedy batches without banned tokens skip building per-row parameters.
+    Rows with a grammar first lose the tokens it forbids. All-greedy batches without banned
+    tokens skip building per-row parameters.
     """
+    constrained = [(row, r.grammar) for row, r in enumerate(requests)
+                   if r.grammar is not None and not r.grammar.is_error()]  # fmt: skip
+    if constrained:
+        rows, matchers = zip(*constrained, strict=True)
+        logits = mask_logits(logits, list(rows), list(matchers))
     if all(r.params.greedy and not r.banned_token_ids() and not r.params.logit_bias
            and not r.params.has_penalties for r in requests):  # fmt: skip
         return logits.argmax(dim=-1)

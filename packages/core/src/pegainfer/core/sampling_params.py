@@ -11,6 +11,7 @@ import math
 import msgspec
 
 from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.structured_output import StructuredOutput
 
 # Largest seed we accept: torch generators take 64-bit seeds.
 _MAX_SEED = 2**63 - 1
@@ -47,6 +48,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     #: Added to the logits of these token ids before any other processing (OpenAI's range).
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    #: What the output must match (a JSON schema, a regex, a grammar, a choice).
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +94,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar ends the output with an EOS token; these forbid it.
+            field = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise InvalidRequestError(f"{field} cannot be combined with structured output", field)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pegainfer.core.errors import InvalidRequestError
@@ -33,7 +33,13 @@ from pegainfer.server.protocol import (
     ImagePart,
 )
 from pegainfer.server.reasoning import REASONING_PARSERS
-from pegainfer.server.tool_calls import TOOL_CALL_PARSERS, ToolCall
+from pegainfer.server.structured import forced_tool_calls
+from pegainfer.server.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ForcedToolCalls,
+    TaggedToolCalls,
+    ToolCall,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -70,13 +76,18 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
+ToolCallParser = TaggedToolCalls | ForcedToolCalls
+
+
 class AnswerParser:
     """One answer's reasoning, content and tool calls, whole or as its text streams; each
     parser is optional (None: the text is all content)."""
 
-    def __init__(self, reasoning: str | None, tool_calls: str | None) -> None:
+    def __init__(
+        self, reasoning: str | None, tool_calls: Callable[[], ToolCallParser] | None
+    ) -> None:
         self._reasoning = REASONING_PARSERS[reasoning]() if reasoning else None
-        self._tools = TOOL_CALL_PARSERS[tool_calls]() if tool_calls else None
+        self._tools = tool_calls() if tool_calls else None
 
     def feed(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
@@ -107,18 +118,22 @@ class Chat:
 
     def prepare(
         self, body: ChatCompletionRequest
-    ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
+    ) -> tuple[str, list[tuple[EngineRequest, str | None]], Callable[[], AnswerParser]]:
+        """The response id, the engine requests (one per choice) and a maker of the parser
+        each answer goes through."""
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        params = sampling_params(self.client, body, max_tokens)
+        tools = self._tools(body)
+        forced = forced_tool_calls(tools, body.tool_choice)
+        params = sampling_params(self.client, body, max_tokens, forced and forced[0])
         try:
             prompt_ids = self.client.frontend.render_chat(
                 template_messages(body.messages),
                 add_generation_prompt=body.add_generation_prompt,
-                tools=self._tools(body),
+                tools=tools,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
         except InvalidRequestError as exc:
@@ -128,13 +143,14 @@ class Chat:
             (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body.cache_salt), None)
             for i, p in enumerate(choice_params(params, body.n))
         ]
-        return rid, requests
+        tool_calls = self._tool_call_parser(body, forced)
+        return rid, requests, lambda: AnswerParser(self.reasoning_parser, tool_calls)
 
     def _tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model (none with tool_choice "none")."""
         if not body.tools or body.tool_choice == "none":
             return None
-        if self.tool_call_parser is None:
+        if self.tool_call_parser is None and body.tool_choice in (None, "auto"):
             raise bad_request("this server parses no tool calls; start it with "
                               "--tool-call-parser to use tools", "tools")  # fmt: skip
         for i, tool in enumerate(body.tools):
@@ -147,16 +163,23 @@ class Chat:
                 raise bad_request(f"tools[{i}] must be a function with a name", "tools")
         return body.tools
 
-    def _answer_parser(self, body: ChatCompletionRequest) -> AnswerParser:
-        tools = self.tool_call_parser if body.tools and body.tool_choice != "none" else None
-        return AnswerParser(self.reasoning_parser, tools)
+    def _tool_call_parser(
+        self, body: ChatCompletionRequest, forced: tuple[Any, str | None] | None
+    ) -> Callable[[], ToolCallParser] | None:
+        """Forced tool calls are read from the constrained JSON; under "auto" the server's
+        tool-call parser finds them in the text."""
+        if forced is not None:
+            return lambda: ForcedToolCalls(forced[1])
+        if body.tools and body.tool_choice != "none" and self.tool_call_parser:
+            return TOOL_CALL_PARSERS[self.tool_call_parser]
+        return None
 
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
-        rid, requests = self.prepare(body)
+        rid, requests, answer_parser = self.prepare(body)
         streams = await collect(self.client, requests, reserve(self.client, len(requests)))
         choices = []
         for index, stream in enumerate(streams):
-            reasoning, content, calls = self._answer_parser(body).feed(stream.text, last=True)
+            reasoning, content, calls = answer_parser().feed(stream.text, last=True)
             message = AssistantMessage(
                 "assistant",
                 content if content or not calls else None,
@@ -170,8 +193,8 @@ class Chat:
         return ChatCompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
     def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-        rid, requests = self.prepare(body)
-        parsers = [self._answer_parser(body) for _ in requests]
+        rid, requests, answer_parser = self.prepare(body)
+        parsers = [answer_parser() for _ in requests]
         num_calls = [0] * len(requests)
         reservation = reserve(self.client, len(requests))
         created = now()

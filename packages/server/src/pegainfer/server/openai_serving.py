@@ -14,6 +14,7 @@ from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.frontend import RequestStream, StreamDelta
 from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.structured_output import StructuredOutput
 from pegainfer.server.engine_client import (
     AsyncEngineClient,
     EngineFailedError,
@@ -22,6 +23,7 @@ from pegainfer.server.engine_client import (
 )
 from pegainfer.server.errors import APIError, bad_request
 from pegainfer.server.protocol import PromptTokensDetails, Usage, unsupported_fields
+from pegainfer.server.structured import requested_output
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
 
@@ -35,9 +37,16 @@ def now() -> int:
 
 
 def sampling_params(
-    client: AsyncEngineClient, request: Any, max_tokens: int | None
+    client: AsyncEngineClient,
+    request: Any,
+    max_tokens: int | None,
+    forced: StructuredOutput | None = None,
 ) -> SamplingParams:
-    """The request's sampling fields over the model's generation defaults, validated."""
+    """The request's sampling fields over the model's generation defaults, validated.
+
+    `forced` is the constraint the endpoint itself imposes (chat's forced tool calls); it
+    cannot be combined with one the request asks for.
+    """
     refused = unsupported_fields(request)
     if refused:
         raise bad_request(
@@ -67,6 +76,7 @@ def sampling_params(
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "logit_bias": _logit_bias(request.logit_bias),
+        "structured": _structured(request, forced),
     }
     params = client.frontend.default_sampling_params(**explicit)
     try:
@@ -76,6 +86,15 @@ def sampling_params(
         if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
             param = "max_completion_tokens"
         raise bad_request(str(exc), param) from exc
+
+
+def _structured(request: Any, forced: StructuredOutput | None) -> StructuredOutput | None:
+    requested = requested_output(request)
+    if requested is None:
+        return forced
+    if forced is not None:
+        raise bad_request(f"tool_choice cannot be combined with {requested[0]}", requested[0])
+    return requested[1]
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

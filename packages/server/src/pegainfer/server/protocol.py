@@ -38,7 +38,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Informational only.
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    # Known fields that change the output and are not implemented yet.
+    # Choices, penalties, logprobs and output constraints.
     n: int = 1
     best_of: int | None = None
     logprobs: Any = None
@@ -66,14 +66,8 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "echo": (False,),
     "suffix": (None, ""),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "prompt_logprobs": (None,),
     "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "continue_final_message": (False,),
     "chat_template": (None,),
 }
@@ -91,9 +85,6 @@ def unsupported_fields(request: msgspec.Struct) -> list[str]:
         for name, offs in _NOT_YET.items()
         if hasattr(request, name) and not _is_off(getattr(request, name), offs)
     ]
-    response_format = getattr(request, "response_format", None)
-    if response_format is not None and response_format.get("type", "text") != "text":
-        found.append("response_format")
     stream_options = getattr(request, "stream_options", None)
     if stream_options is not None and stream_options.continuous_usage_stats:
         found.append("stream_options.continuous_usage_stats")

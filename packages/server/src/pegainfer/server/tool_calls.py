@@ -117,6 +117,37 @@ class Qwen3XmlToolCalls(TaggedToolCalls):
         return _call(function.group(1).strip(), json.dumps(arguments, ensure_ascii=False))
 
 
+class ForcedToolCalls:
+    """The answer to tool_choice "required" (a JSON array of `{"name", "parameters"}`) or a
+    named function (its arguments as JSON), which constrained decoding made the model write:
+    held back until the answer ends, then read as calls. Text that does not read as calls (an
+    answer cut short by max_tokens) stays content."""
+
+    def __init__(self, function: str | None) -> None:
+        self.function = function
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._held += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        held, self._held = self._held, ""
+        try:
+            parsed = json.loads(held)
+        except json.JSONDecodeError:
+            return held, []
+        if self.function is not None:
+            return "", [_call(self.function, json.dumps(parsed, ensure_ascii=False))]
+        if not isinstance(parsed, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed
+        ):
+            return held, []
+        calls = [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
+                 for c in parsed]  # fmt: skip
+        return "", calls
+
+
 def _call(name: str, arguments: str) -> ToolCall:
     return ToolCall(f"call_{secrets.token_hex(12)}", name, arguments)
 

@@ -1,0 +1,153 @@
+"""What a request's output must match, from the fields clients use to say it.
+
+OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs`
+(`json`, `regex`, `choice`, `grammar`, `json_object`) and its older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` all become one `StructuredOutput`; so do chat's
+`tool_choice` "required" and a named function, which vLLM enforces the same way: the model must
+write the named function's arguments as JSON, or a JSON array of `{"name", "parameters"}`
+calls of the offered tools, and the answer's JSON becomes its `tool_calls`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.structured_output import StructuredOutput
+from pegainfer.server.errors import bad_request
+
+
+def _json_schema(value: Any, field: str) -> StructuredOutput:
+    if isinstance(value, str):
+        return StructuredOutput(kind="json_schema", spec=value)
+    if not isinstance(value, dict | bool):
+        raise bad_request(f"{field} must be a JSON schema", field)
+    return StructuredOutput.json_schema(value)
+
+
+def _text(value: Any, field: str, kind: str) -> StructuredOutput:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{field} must be a non-empty string", field)
+    return StructuredOutput(kind=kind, spec=value)  # type: ignore[arg-type]
+
+
+def _choice(value: Any, field: str) -> StructuredOutput:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+        raise bad_request(f"{field} must be a non-empty list of strings", field)
+    return StructuredOutput.choice(value)
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput.json_schema({"type": "object"})
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema", "response_format"
+            )
+        return _json_schema(spec["schema"], "response_format")
+    raise bad_request(
+        f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+        "response_format",
+    )
+
+
+_STRUCTURED_OUTPUTS = {
+    "json": _json_schema,
+    "regex": lambda v, f: _text(v, f, "regex"),
+    "grammar": lambda v, f: _text(v, f, "grammar"),
+    "choice": _choice,
+}
+
+
+def _structured_outputs(value: dict[str, Any]) -> list[tuple[str, StructuredOutput]]:
+    found = []
+    for key, spec in value.items():
+        field = f"structured_outputs.{key}"
+        if key == "json_object":
+            if spec:
+                found.append((field, StructuredOutput.json_schema({"type": "object"})))
+        elif key in _STRUCTURED_OUTPUTS:
+            if spec is not None:
+                found.append((field, _STRUCTURED_OUTPUTS[key](spec, field)))
+        else:
+            raise bad_request(f"{field} is not supported", field)
+    return found
+
+
+def requested_output(request: Any) -> tuple[str, StructuredOutput] | None:
+    """The constraint a request asks for and the field it came from; a 400 if it asks for
+    several, or for one that does not compile."""
+    found: list[tuple[str, StructuredOutput]] = []
+    if request.response_format is not None:
+        output = _response_format(request.response_format)
+        if output is not None:
+            found.append(("response_format", output))
+    if request.structured_outputs:
+        found += _structured_outputs(request.structured_outputs)
+    for field, make in (("guided_json", _json_schema), ("guided_choice", _choice),
+                        ("guided_regex", _STRUCTURED_OUTPUTS["regex"]),
+                        ("guided_grammar", _STRUCTURED_OUTPUTS["grammar"])):  # fmt: skip
+        value = getattr(request, field)
+        if value is not None:
+            found.append((field, make(value, field)))
+    if len(found) > 1:
+        names = ", ".join(field for field, _ in found)
+        raise bad_request(f"ask for one output constraint at a time, not {names}", found[1][0])
+    if not found:
+        return None
+    check(*found[0])
+    return found[0]
+
+
+def check(field: str, output: StructuredOutput) -> None:
+    try:
+        output.grammar()
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), field) from exc
+
+
+def forced_tool_calls(
+    tools: list[dict[str, Any]] | None, tool_choice: Any
+) -> tuple[StructuredOutput, str | None] | None:
+    """The constraint of tool_choice "required" (with None) or of a named function (with its
+    name); None for "auto" and "none"."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise bad_request("tool_choice needs tools", "tool_choice")
+    functions = {tool["function"]["name"]: tool["function"] for tool in tools}
+    if tool_choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                     "parameters": _parameters(f)},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, f in functions.items()]  # fmt: skip
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        output, forced = StructuredOutput.json_schema(schema), None
+    elif (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+    ):
+        name = tool_choice["function"].get("name")
+        if name not in functions:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools",
+                              "tool_choice")  # fmt: skip
+        output, forced = StructuredOutput.json_schema(_parameters(functions[name])), name
+    else:
+        raise bad_request(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    check("tool_choice", output)
+    return output, forced
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    parameters = function.get("parameters")
+    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}

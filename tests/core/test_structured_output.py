@@ -1,0 +1,134 @@
+"""Structured output in the engine: a tiny random model's constrained answers always match
+their schema, regex, grammar or choices, batched among free-form requests, under both
+schedulers; the sampler's mask is exactly the matcher's."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+
+from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.messages import EngineRequest
+from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.structured_output import StructuredOutput, mask_logits
+from pegainfer.core.tokenizer import Tokenizer
+from pegainfer.models.qwen3.line import Qwen3Line
+from tests.engine_harness import (
+    both_schedulers,  # noqa: F401 (a fixture)
+    drain,
+    make_engine,
+)
+
+SCHEMAS = {
+    "flat": {"type": "object", "additionalProperties": False,
+             "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
+                            "size": {"enum": ["s", "m", "l"]}},
+             "required": ["name", "ok", "size"]},
+    "nested": {"type": "object", "additionalProperties": False, "required": ["point", "tags"],
+               "properties": {"point": {"type": "object", "additionalProperties": False,
+                                        "properties": {"x": {"enum": [0, 1, 2]},
+                                                       "y": {"enum": [-1, 1]}},
+                                        "required": ["x", "y"]},
+                              "tags": {"type": "array", "maxItems": 3,
+                                       "items": {"type": "string", "maxLength": 4}}}},
+    "array": {"type": "array", "minItems": 1, "maxItems": 4,
+              "items": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}},
+}  # fmt: skip
+REGEX = r"[a-z]{3}-\d{2}"
+CHOICES = ["red", "green", "blue sky"]
+GRAMMAR = 'root ::= "(" item ("," item)? ")"\nitem ::= "a" | "bb"'
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("structured")
+    Qwen3Line().write_tiny_checkpoint(path, seed=3)
+    return path
+
+
+def constrained(output: StructuredOutput, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=150, structured=output)
+
+
+@pytest.mark.usefixtures("both_schedulers")
+def test_answers_match_their_constraints_among_free_requests(model_dir):
+    """20 requests per JSON schema, 5 each for a regex, choices and a grammar, and 10
+    free-form requests, all in the engine at once."""
+    engine = make_engine(model_dir, max_num_seqs=32)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    eos = [tokenizer.token_to_id("<|im_end|>")]
+    jobs: dict[str, tuple[str, object]] = {}
+    outputs = {f"schema-{name}-{i}": (StructuredOutput.json_schema(schema), name)
+               for name, schema in SCHEMAS.items() for i in range(20)}  # fmt: skip
+    outputs |= {f"regex-{i}": (StructuredOutput(kind="regex", spec=REGEX), None) for i in range(5)}
+    outputs |= {f"choice-{i}": (StructuredOutput.choice(CHOICES), None) for i in range(5)}
+    outputs |= {f"grammar-{i}": (StructuredOutput(kind="grammar", spec=GRAMMAR), None)
+                for i in range(5)}  # fmt: skip
+    for n, (rid, (output, schema)) in enumerate(outputs.items()):
+        jobs[rid] = (output.kind, schema)
+        params = constrained(output, seed=n)
+        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=[5 + n % 7, 9, 11],
+                                         params=params, eos_token_ids=eos,
+                                         arrival_time=0.0))  # fmt: skip
+    for i in range(10):
+        free = SamplingParams(temperature=1.0, seed=100 + i, max_tokens=40)
+        engine.add_request(EngineRequest(request_id=f"free-{i}", prompt_token_ids=[7, i],
+                                         params=free, eos_token_ids=eos,
+                                         arrival_time=0.0))  # fmt: skip
+    tokens = drain(engine)
+    assert len(tokens) == len(jobs) + 10
+    for rid, (kind, schema) in jobs.items():
+        # The answer ends where its grammar does: by EOS, or with the last token it allows.
+        ids = tokens[rid][:-1] if tokens[rid][-1] == eos[0] else tokens[rid]
+        text = tokenizer.decode(ids)
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(text), SCHEMAS[schema])
+        elif kind == "regex":
+            assert re.fullmatch(REGEX, text), text
+        elif kind == "choice":
+            assert text in CHOICES
+        else:
+            assert re.fullmatch(r"\((a|bb)(,(a|bb))?\)", text), text
+
+
+def test_the_mask_is_the_matchers(model_dir):
+    """Exactly the tokens the matcher accepts keep their logits, row by row; other rows are
+    untouched."""
+    engine = make_engine(model_dir)
+    eos = [7]
+    matcher = engine.grammars.matcher(StructuredOutput(kind="regex", spec="ab+c?"), eos)
+    matcher.consume_tokens(engine.grammars.tokenizer(eos).tokenize_str("a"))
+    vocab = engine.config.vocab_size
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    masked = mask_logits(logits, [1], [matcher])
+    allowed = [t for t in range(vocab) if matcher.validate_tokens([t]) == 1]
+    assert allowed and torch.isfinite(masked[1]).nonzero().flatten().tolist() == allowed
+    assert torch.equal(masked[1, allowed], logits[1, allowed])
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+
+
+def test_bad_constraints_and_combinations_are_refused(model_dir):
+    engine = make_engine(model_dir)
+    with pytest.raises(InvalidRequestError, match="regex"):
+        StructuredOutput(kind="regex", spec="[a-").grammar()
+    with pytest.raises(InvalidRequestError, match="nonsense"):
+        engine.grammars.matcher(StructuredOutput.json_schema({"type": "nonsense"}), [7])
+    for field in ("ignore_eos", "min_tokens"):
+        params = SamplingParams(structured=StructuredOutput.choice(["a"]), **{field: 1})
+        with pytest.raises(InvalidRequestError, match=field):
+            params.validate()
+
+
+def test_llguidance_reads_our_tokenizer_as_we_do(model_dir):
+    """The grammar engine and our tokenizer agree on what every token spells."""
+    engine = make_engine(model_dir)
+    ours = Tokenizer.from_dir(model_dir)
+    theirs: llguidance.LLTokenizer = engine.grammars.tokenizer([7])
+    text = 'A {"json": [1, 2.5, "ü→"]} text'
+    ids = ours.encode(text)
+    assert theirs.decode_str(ids) == text == ours.decode(ids)

@@ -1,0 +1,76 @@
+"""Structured output over HTTP with the openai SDK: response_format json_schema and
+json_object on chat, vLLM's structured_outputs and guided_* on completions, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from pegainfer.core.structured_output import Grammars, StructuredOutput
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "warm"],
+          "properties": {"city": {"type": "string", "maxLength": 6},
+                         "warm": {"type": "boolean"}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_json_schema(client, server, stream):
+    """n = 3 answers of one request, each valid against the schema."""
+    schema = {"name": "weather", "schema": SCHEMA, "strict": True}
+    response_format = {"type": "json_schema", "json_schema": schema}
+    kwargs = dict(model=server.model, messages=[{"role": "user", "content": "Weather?"}],
+                  response_format=response_format, max_tokens=120, n=3, seed=4)  # fmt: skip
+    if stream:
+        texts = ["", "", ""]
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        texts = [choice.message.content for choice in reply.choices]
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_chat_json_object(client, server, tiny_model):
+    """Any object: a random model is still writing its first string at max_tokens, so each
+    answer is checked as the start of a JSON object, by a matcher of its own."""
+    reply = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "JSON please"}],
+        response_format={"type": "json_object"}, max_tokens=40, seed=1, n=4,
+    )  # fmt: skip
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    grammars = Grammars(tiny_model, vocab)
+    for choice in reply.choices:
+        text = choice.message.content
+        matcher = grammars.matcher(StructuredOutput.json_schema({"type": "object"}), [0])
+        assert text.startswith("{") and matcher.consume_tokens(
+            grammars.tokenizer([0]).tokenize_str(text)
+        ), text
+
+
+@pytest.mark.parametrize(
+    ("extra", "check"),
+    [
+        ({"structured_outputs": {"regex": r"\d{3}-[a-c]{1,4}"}},
+         lambda text: re.fullmatch(r"\d{3}-[a-c]{1,4}", text)),
+        ({"guided_choice": ["yes", "no", "maybe not"]},
+         lambda text: text in {"yes", "no", "maybe not"}),
+        ({"structured_outputs": {"json": SCHEMA}},
+         lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+    ],
+)  # fmt: skip
+def test_completions_constraints(client, server, extra, check):
+    reply = client.completions.create(model=server.model, prompt=["Answer:", "Now:"],
+                                      max_tokens=60, seed=2, extra_body=extra)  # fmt: skip
+    for choice in reply.choices:
+        assert check(choice.text), choice.text
