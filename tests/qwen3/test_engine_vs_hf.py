@@ -99,3 +99,40 @@ def test_eviction_under_a_small_pool_keeps_outputs_right(reference):
                     assert cached == (len(prompt) - 1) // 4 * 4
     # Far more blocks were filled than the pool holds, so eviction happened throughout.
     assert 2 * 2 * sum(len(p) + NEW_TOKENS for p in batch) // 4 > 3 * 40
+
+
+def test_logprobs_are_transformers_log_softmax(reference):
+    """Each sampled token's logprob, rank and top 5 equal transformers' log-softmax at its
+    position (sampled at temperature 1, with a bias and a penalty that must not change the
+    reported distribution), batched with requests that ask for none."""
+    from pegainfer.core.sampling_params import SamplingParams
+
+    path, batch, _ = reference
+    engine = make_engine(path)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=5,
+                            logit_bias={7: 5.0}, presence_penalty=0.5)  # fmt: skip
+    outputs = {}
+    for i, prompt in enumerate(batch[:4]):
+        submit(engine, f"lp{i}", prompt, params)
+        submit(engine, f"plain{i}", prompt, greedy(12))
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            if output.logprobs is not None:
+                outputs.setdefault(output.request_id, []).extend(output.logprobs)
+            else:
+                assert not output.request_id.startswith("lp") or not output.new_token_ids
+    assert sorted(outputs) == [f"lp{i}" for i in range(4)]
+    hf = load_hf(path)
+    for i, prompt in enumerate(batch[:4]):
+        entries = outputs[f"lp{i}"]
+        tokens = [e.token_id for e in entries]
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        ref = logits.float().log_softmax(-1)
+        for row, entry in zip(ref, entries, strict=True):
+            assert abs(entry.logprob - row[entry.token_id].item()) <= 1e-4
+            assert entry.rank == int((row > row[entry.token_id]).sum()) + 1
+            top = row.topk(5)
+            assert [t for t, _ in entry.top] == top.indices.tolist()
+            assert max(abs(lp - v) for (_, lp), v in zip(entry.top, top.values.tolist(),
+                                                         strict=True)) <= 1e-4  # fmt: skip

@@ -108,10 +108,6 @@ BAD_REQUESTS = {
     ),
     "unknown-model": (COMPLETIONS, completion(model="gpt-4"), 404, "model", "gpt-4"),
     "unknown-model-chat": (CHAT, chat(model="gpt-4"), 404, "model", "gpt-4"),
-    "logprobs-completions": (COMPLETIONS, completion(logprobs=1), 400, "logprobs", "logprobs"),
-    "logprobs-chat": (CHAT, chat(logprobs=True, top_logprobs=2), 400, "logprobs", "logprobs"),
-    # 0 == False, but `logprobs: 0` asks for the sampled tokens' logprobs.
-    "logprobs-zero": (COMPLETIONS, completion(logprobs=0), 400, "logprobs", "logprobs"),
     "continuous-usage": (
         COMPLETIONS,
         completion(stream=True, stream_options={"continuous_usage_stats": True}),
@@ -172,6 +168,18 @@ BAD_REQUESTS = {
         "vocabulary",
     ),
     "echo": (COMPLETIONS, completion(echo=True), 400, "echo", None),
+    "logprobs-negative": (COMPLETIONS, completion(logprobs=-1), 400, "logprobs", ">= 0"),
+    "logprobs-too-many": (COMPLETIONS, completion(logprobs=21), 400, "logprobs", "20"),
+    "logprobs-bool-on-completions": (COMPLETIONS, completion(logprobs=True), 400, "logprobs", None),
+    "logprobs-int-on-chat": (CHAT, chat(logprobs=3), 400, "logprobs", "true or false"),
+    "top-logprobs-without-logprobs": (
+        CHAT,
+        chat(top_logprobs=2),
+        400,
+        "top_logprobs",
+        "logprobs: true",
+    ),
+    "top-logprobs-range": (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     "response-format-type": (
         CHAT,
         chat(response_format={"type": "yaml"}),

@@ -32,7 +32,7 @@ from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
-from pegainfer.core.sampler import sample_requests
+from pegainfer.core.sampler import SampledLogprobs, sample_requests
 from pegainfer.core.scheduler import SchedulerConfig, SchedulerStep
 from pegainfer.core.structured_output import Grammars
 
@@ -90,6 +90,7 @@ class _Launched:
     step: SchedulerStep
     tokens: torch.Tensor  # one per sampling chunk, on the device
     rows: dict[int, int]  # id(request) -> its row in `tokens`
+    logprobs: SampledLogprobs | None = None  # for the rows that asked
 
     def feed(self, step: SchedulerStep, batch: ForwardBatch) -> None:
         """Give the next step the tokens it needs from this one, device to device: a request
@@ -349,16 +350,23 @@ class EngineCore:
             logits = self.model(batch, self.kv_cache)
         samplers = [c.request for c in step.chunks if c.samples]
         tokens = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
+        logprobs = SampledLogprobs.of(logits, tokens, samplers)
         self.scheduler.advance(step)
-        return _Launched(step, tokens, {id(r): row for row, r in enumerate(samplers)})
+        rows = {id(r): row for row, r in enumerate(samplers)}
+        return _Launched(step, tokens, rows, logprobs)
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Bring a launched step's tokens to the host (the step's one device-to-host copy) and
         report them."""
         token_ids = launched.tokens.tolist()
+        logprobs = {} if launched.logprobs is None else launched.logprobs.to_host(token_ids)
         outputs = []
         for request in self.scheduler.commit(launched.step, token_ids):
-            outputs.append(self._output(request, [token_ids[launched.rows[id(request)]]]))
+            row = launched.rows[id(request)]
+            output = self._output(request, [token_ids[row]])
+            if row in logprobs:
+                output.logprobs = [logprobs[row]]
+            outputs.append(output)
             if request.finished:
                 self.requests.pop(request.request_id, None)
         if self.offload is not None:

@@ -16,7 +16,7 @@ from typing import Any
 from pegainfer.core.detokenizer import IncrementalDetokenizer
 from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.generation_config import GenerationDefaults
-from pegainfer.core.messages import EngineRequest, RequestOutput
+from pegainfer.core.messages import EngineRequest, RequestOutput, TokenLogprob
 from pegainfer.core.sampling_params import SamplingParams
 from pegainfer.core.tokenizer import Tokenizer
 
@@ -34,6 +34,7 @@ class StreamDelta:
     stop_reason: str | int | None = None
     # Set when a stop string ended the request but the engine does not know yet.
     abort_engine: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, if asked
 
 
 @dataclass
@@ -50,6 +51,7 @@ class RequestStream:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, if asked
 
     def __post_init__(self) -> None:
         self._detokenizer = IncrementalDetokenizer(
@@ -76,7 +78,8 @@ class RequestStream:
             text_ids = text_ids[:-1]
         decoded = self._detokenizer.push(text_ids)
         text = decoded.text
-        delta = StreamDelta(text, list(output.new_token_ids))
+        delta = StreamDelta(text, list(output.new_token_ids), logprobs=output.logprobs or [])
+        self.logprobs.extend(delta.logprobs)
         if decoded.finished:
             self.finish_reason, self.stop_reason = "stop", self._detokenizer.stop_reason
             delta.abort_engine = not output.finished

@@ -33,6 +33,16 @@ class Shutdown(msgspec.Struct, tag=True):
 Inbound = EngineRequest | AbortRequest | Shutdown
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """A sampled token's logprob and rank (1: the most likely) in the model's distribution,
+    and the most likely tokens' (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one step produced for one request.
 
@@ -49,6 +59,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None
     # On the final output: seconds from arrival to first scheduling.
     queue_time: float | None = None
+    # One per new token, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pegainfer.core.messages import TokenLogprob
 from pegainfer.core.request import Request
 from pegainfer.core.structured_output import mask_logits
 
@@ -168,3 +169,42 @@ def _penalties(request: Request) -> Penalties:
     assert not request.num_pending, "penalties need every sampled token on the host"
     return Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
                      request.token_ids[:split], request.token_ids[split:])  # fmt: skip
+
+
+@dataclass
+class SampledLogprobs:
+    """One step's sampled tokens' logprobs, ranks and top alternatives for the rows that ask,
+    computed on the logits' device from the model's own distribution (before temperature,
+    penalties, biases or masks, as vLLM reports them by default); `to_host` brings them over."""
+
+    rows: list[int]
+    counts: list[int]  # alternatives each row asked for
+    logprob: torch.Tensor  # [R]
+    rank: torch.Tensor  # [R]
+    top_logprobs: torch.Tensor  # [R, K]
+    top_ids: torch.Tensor  # [R, K]
+
+    @classmethod
+    def of(
+        cls, logits: torch.Tensor, tokens: torch.Tensor, requests: Sequence[Request]
+    ) -> SampledLogprobs | None:
+        rows = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return None
+        counts = [requests[row].params.logprobs or 0 for row in rows]
+        index = torch.tensor(rows, device=logits.device)
+        logprobs = logits[index].float().log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[index][:, None]).squeeze(1)
+        rank = (logprobs > chosen[:, None]).sum(dim=1) + 1
+        top_logprobs, top_ids = logprobs.topk(max(counts), dim=-1)
+        return cls(rows, counts, chosen, rank, top_logprobs, top_ids)
+
+    def to_host(self, tokens: list[int]) -> dict[int, TokenLogprob]:
+        """By row: the sampled token's entry (`tokens` are the step's sampled ids)."""
+        logprob, rank = self.logprob.tolist(), self.rank.tolist()
+        top_logprobs, top_ids = self.top_logprobs.tolist(), self.top_ids.tolist()
+        return {
+            row: TokenLogprob(tokens[row], logprob[i], rank[i],
+                              list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)))
+            for i, (row, k) in enumerate(zip(self.rows, self.counts, strict=True))
+        }  # fmt: skip

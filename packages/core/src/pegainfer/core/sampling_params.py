@@ -19,6 +19,8 @@ _MAX_SEED = 2**63 - 1
 MIN_TEMPERATURE = 1e-5
 # Any top_k beyond the vocabulary means "no limit"; the bound keeps it a 32-bit integer.
 _MAX_TOP_K = 2**31 - 1
+#: Most alternatives a request may ask logprobs for, per token (OpenAI's chat limit).
+MAX_LOGPROBS = 20
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -50,6 +52,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     #: What the output must match (a JSON schema, a regex, a grammar, a choice).
     structured: StructuredOutput | None = None
+    #: Report each sampled token's logprob (of the model's own distribution, before any
+    #: sampling transform) and the `logprobs` most likely tokens' beside it; None: none.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +99,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs"
+            )
         if self.structured is not None and (self.ignore_eos or self.min_tokens):
             # The grammar ends the output with an EOS token; these forbid it.
             field = "ignore_eos" if self.ignore_eos else "min_tokens"

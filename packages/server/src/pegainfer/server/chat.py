@@ -10,6 +10,7 @@ from pegainfer.core.frontend import RequestStream, StreamDelta
 from pegainfer.core.messages import EngineRequest
 from pegainfer.server.engine_client import AsyncEngineClient
 from pegainfer.server.errors import bad_request
+from pegainfer.server.logprobs import LogprobsFormatter, chat_count
 from pegainfer.server.openai_serving import (
     choice_params,
     collect,
@@ -115,6 +116,7 @@ class Chat:
         self.model_name = model_name
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
+        self.logprobs = LogprobsFormatter(client.frontend.tokenizer)
 
     def prepare(
         self, body: ChatCompletionRequest
@@ -128,7 +130,8 @@ class Chat:
             max_tokens = body.max_tokens
         tools = self._tools(body)
         forced = forced_tool_calls(tools, body.tool_choice)
-        params = sampling_params(self.client, body, max_tokens, forced and forced[0])
+        logprobs = chat_count(body.logprobs, body.top_logprobs)
+        params = sampling_params(self.client, body, max_tokens, logprobs, forced and forced[0])
         try:
             prompt_ids = self.client.frontend.render_chat(
                 template_messages(body.messages),
@@ -189,7 +192,8 @@ class Chat:
             reason = stream.finish_reason
             if calls and reason == "stop":
                 reason = "tool_calls"
-            choices.append(ChatChoice(index, message, None, reason, stream.stop_reason))
+            logprobs = self.logprobs.chat(stream.logprobs) if body.logprobs else None
+            choices.append(ChatChoice(index, message, logprobs, reason, stream.stop_reason))
         return ChatCompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
     def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
@@ -201,9 +205,9 @@ class Chat:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         def chunk(
-            index: int, delta: DeltaMessage, reason: str | None = None, stop=None
+            index: int, delta: DeltaMessage, reason: str | None = None, stop=None, logprobs=None
         ) -> ChatCompletionChunk:
-            choice = ChatChunkChoice(index, delta, None, reason, stop)
+            choice = ChatChunkChoice(index, delta, logprobs, reason, stop)
             return ChatCompletionChunk(rid, created, self.model_name, [choice])
 
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[ChatCompletionChunk]:
@@ -219,7 +223,8 @@ class Chat:
             # so that a final chunk keeps its finish_reason.
             message = DeltaMessage(content=content, reasoning_content=reasoning or None,
                                    tool_calls=tool_calls or None)  # fmt: skip
-            out.append(chunk(index, message, reason, delta.stop_reason))
+            logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
+            out.append(chunk(index, message, reason, delta.stop_reason, logprobs))
             return out
 
         def final(streams: list[RequestStream]) -> ChatCompletionChunk | None:

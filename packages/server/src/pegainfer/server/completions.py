@@ -8,9 +8,10 @@ from typing import Any
 import msgspec
 
 from pegainfer.core.frontend import RequestStream, StreamDelta
-from pegainfer.core.messages import EngineRequest
+from pegainfer.core.messages import EngineRequest, TokenLogprob
 from pegainfer.server.engine_client import AsyncEngineClient
 from pegainfer.server.errors import bad_request
+from pegainfer.server.logprobs import LogprobsFormatter, completion_count
 from pegainfer.server.openai_serving import (
     choice_params,
     collect,
@@ -22,7 +23,12 @@ from pegainfer.server.openai_serving import (
     sse_stream,
     usage,
 )
-from pegainfer.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from pegainfer.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 
 
 def _prompts(
@@ -64,11 +70,14 @@ class Completions:
     def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
         self.client = client
         self.model_name = model_name
+        self.logprobs = LogprobsFormatter(client.frontend.tokenizer)
 
     def prepare(
         self, body: CompletionRequest
     ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
-        copies = choice_params(sampling_params(self.client, body, body.max_tokens), body.n)
+        logprobs = completion_count(body.logprobs)
+        params = sampling_params(self.client, body, body.max_tokens, logprobs)
+        copies = choice_params(params, body.n)
         rid = request_id("cmpl")
         # Choice p * n + i is the i-th of the n choices of prompt p.
         pairs = [(text, ids, params) for text, ids in _prompts(self.client, body.prompt)
@@ -82,7 +91,11 @@ class Completions:
     async def create(self, body: CompletionRequest) -> CompletionResponse:
         rid, requests = self.prepare(body)
         streams = await collect(self.client, requests, reserve(self.client, len(requests)))
-        choices = [_choice(i, s.text, s) for i, s in enumerate(streams)]
+        choices = [
+            CompletionChoice(i, s.text, self._logprobs(body, s.logprobs), s.finish_reason,
+                             s.stop_reason)
+            for i, s in enumerate(streams)
+        ]  # fmt: skip
         return CompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
     def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
@@ -90,10 +103,13 @@ class Completions:
         reservation = reserve(self.client, len(requests))
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        offsets = [0] * len(requests)  # text each choice has streamed, for text_offset
 
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[CompletionResponse]:
+            logprobs = self._logprobs(body, delta.logprobs, offsets[index])
+            offsets[index] += len(delta.text)
             choice = CompletionChoice(
-                index, delta.text, None, delta.finish_reason, delta.stop_reason
+                index, delta.text, logprobs, delta.finish_reason, delta.stop_reason
             )
             return [CompletionResponse(rid, created, self.model_name, [choice])]
 
@@ -104,6 +120,7 @@ class Completions:
 
         return sse_stream(self.client, requests, reservation, chunks, final)
 
-
-def _choice(index: int, text: str, stream: RequestStream) -> CompletionChoice:
-    return CompletionChoice(index, text, None, stream.finish_reason, stream.stop_reason)
+    def _logprobs(
+        self, body: CompletionRequest, entries: list[TokenLogprob], offset: int = 0
+    ) -> CompletionLogprobs | None:
+        return None if body.logprobs is None else self.logprobs.completion(entries, offset)

@@ -40,12 +40,14 @@ def sampling_params(
     client: AsyncEngineClient,
     request: Any,
     max_tokens: int | None,
+    logprobs: int | None = None,
     forced: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The request's sampling fields over the model's generation defaults, validated.
 
-    `forced` is the constraint the endpoint itself imposes (chat's forced tool calls); it
-    cannot be combined with one the request asks for.
+    `logprobs` is how many alternatives per token the endpoint read from its own fields
+    (None: no logprobs). `forced` is the constraint the endpoint itself imposes (chat's
+    forced tool calls); it cannot be combined with one the request asks for.
     """
     refused = unsupported_fields(request)
     if refused:
@@ -77,6 +79,7 @@ def sampling_params(
         "frequency_penalty": request.frequency_penalty,
         "logit_bias": _logit_bias(request.logit_bias),
         "structured": _structured(request, forced),
+        "logprobs": logprobs,
     }
     params = client.frontend.default_sampling_params(**explicit)
     try:

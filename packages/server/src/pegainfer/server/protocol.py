@@ -62,8 +62,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
 # Fields that change the output and are not implemented yet, with the values that mean "off".
 _NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (False,),
     "suffix": (None, ""),
     "prompt_logprobs": (None,),
@@ -74,7 +72,7 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
 
 
 def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
-    # Types must match too: `logprobs: 0` asks for logprobs although 0 == False.
+    # Types must match too: `echo: 0` is not the `echo: false` that means off.
     return any(type(value) is type(off) and value == off for off in offs)
 
 
@@ -159,10 +157,34 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -186,7 +208,7 @@ class AssistantMessage(msgspec.Struct, omit_defaults=True):
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -210,7 +232,7 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

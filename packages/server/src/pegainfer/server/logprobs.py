@@ -1,0 +1,85 @@
+"""Token logprobs in the two shapes OpenAI returns them.
+
+Completions: parallel lists (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}
+maps, `text_offset`). Chat: `content`, one entry per token with its `bytes` and its
+`top_logprobs` list. A token's text is the token decoded alone (special tokens included), so a
+character split across tokens shows as U+FFFD in each piece, and `bytes` are that text's UTF-8,
+as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pegainfer.core.messages import TokenLogprob
+from pegainfer.core.sampling_params import MAX_LOGPROBS
+from pegainfer.core.tokenizer import Tokenizer
+from pegainfer.server.errors import bad_request
+from pegainfer.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
+
+
+def completion_count(value: Any) -> int | None:
+    """Completions' `logprobs`: how many alternatives per token (0: only the sampled one)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_request("logprobs must be an integer >= 0", "logprobs")
+    return value
+
+
+def chat_count(logprobs: Any, top_logprobs: int | None) -> int | None:
+    """Chat's `logprobs` (a switch) and `top_logprobs` (how many alternatives)."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs must be true or false", "logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if not logprobs:
+        if top_logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top_logprobs or 0
+
+
+class LogprobsFormatter:
+    """Turns `TokenLogprob`s into either shape, decoding each token id once."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], False)
+        return text
+
+    def completion(self, entries: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+        """`offset`: where the first token's text starts in the choice's text."""
+        tokens, offsets = [], []
+        for entry in entries:
+            tokens.append(self.text(entry.token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[entry.logprob for entry in entries],
+            top_logprobs=[{self.text(t): lp for t, lp in entry.top} for entry in entries],
+            text_offset=offsets,
+        )
+
+    def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs:
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            text = self.text(token_id)
+            return TopLogprob(text, logprob, list(text.encode()))
+
+        content = []
+        for entry in entries:
+            text = self.text(entry.token_id)
+            alternatives = [top(t, lp) for t, lp in entry.top]
+            content.append(ChatTokenLogprob(text, entry.logprob, list(text.encode()), alternatives))
+        return ChatLogprobs(content)

@@ -1,0 +1,58 @@
+"""Logprobs over HTTP in OpenAI's two shapes, whole and streamed, and consistent with the
+tokens and text they describe."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none")
+
+
+def test_completions_shape(client, server):
+    reply = client.completions.create(model=server.model, prompt="Hello", max_tokens=8,
+                                      temperature=0, logprobs=3, seed=1)  # fmt: skip
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    n = reply.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert all(len(top) <= 3 and top for top in lp.top_logprobs)
+    # Greedy: each token is its position's most likely, so it heads its own top list.
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and math.isclose(max(top.values()), logprob, abs_tol=1e-5)
+        assert top.get(token) is not None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_completions_zero_means_the_sampled_token_only(client, server):
+    reply = client.completions.create(model=server.model, prompt="Hi", max_tokens=4, logprobs=0)
+    lp = reply.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(top == {} for top in lp.top_logprobs)
+
+
+def test_chat_shape_matches_its_stream(client, server):
+    kwargs = dict(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                  max_tokens=10, temperature=0, logprobs=True, top_logprobs=4)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(whole) == 10
+    for entry in whole:
+        assert len(entry.top_logprobs) == 4 and entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].logprob == max(t.logprob for t in entry.top_logprobs)
+        assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob, abs_tol=1e-5)
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]  # fmt: skip
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in whole
+    ]
+
+
+def test_chat_without_logprobs_has_none(client, server):
+    messages = [{"role": "user", "content": "Hi"}]
+    reply = client.chat.completions.create(model=server.model, max_tokens=3, messages=messages)
+    assert reply.choices[0].logprobs is None
