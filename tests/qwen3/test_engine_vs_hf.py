@@ -136,3 +136,32 @@ def test_logprobs_are_transformers_log_softmax(reference):
             assert [t for t, _ in entry.top] == top.indices.tolist()
             assert max(abs(lp - v) for (_, lp), v in zip(entry.top, top.values.tolist(),
                                                          strict=True)) <= 1e-4  # fmt: skip
+
+
+def test_prompt_logprobs_are_transformers_log_softmax(reference):
+    """Every prompt token after the first, scored by the prompt before it, across prefill
+    chunks of 16 tokens and although the prompt sits in the prefix cache already."""
+    from pegainfer.core.sampling_params import SamplingParams
+
+    path, batch, _ = reference
+    engine = make_engine(path, max_num_batched_tokens=16, enable_chunked_prefill=True)
+    prompt = batch[-1]  # 90 tokens
+    submit(engine, "warm", prompt, greedy(2))
+    drain(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    submit(engine, "scored", prompt, params)
+    first = None
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            if output.new_token_ids and first is None:
+                first = output
+            else:
+                assert output.prompt_logprobs is None  # sent once, with the first token
+    entries = first.prompt_logprobs
+    assert [e.token_id for e in entries] == prompt[1:]
+    with torch.inference_mode():
+        ref = load_hf(path)(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    for row, entry in zip(ref, entries, strict=True):
+        assert abs(entry.logprob - row[entry.token_id].item()) <= 1e-4
+        assert entry.rank == int((row > row[entry.token_id]).sum()) + 1
+        assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()

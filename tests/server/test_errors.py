@@ -167,7 +167,7 @@ BAD_REQUESTS = {
         "logit_bias",
         "vocabulary",
     ),
-    "echo": (COMPLETIONS, completion(echo=True), 400, "echo", None),
+    "prompt-logprobs": (COMPLETIONS, completion(prompt_logprobs=1), 400, "prompt_logprobs", None),
     "logprobs-negative": (COMPLETIONS, completion(logprobs=-1), 400, "logprobs", ">= 0"),
     "logprobs-too-many": (COMPLETIONS, completion(logprobs=21), 400, "logprobs", "20"),
     "logprobs-bool-on-completions": (COMPLETIONS, completion(logprobs=True), 400, "logprobs", None),

@@ -56,3 +56,31 @@ def test_chat_without_logprobs_has_none(client, server):
     messages = [{"role": "user", "content": "Hi"}]
     reply = client.chat.completions.create(model=server.model, max_tokens=3, messages=messages)
     assert reply.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("prompt", ["The cat sat", [11, 22, 33, 44]])
+def test_echo_scores_the_prompt(client, server, prompt):
+    """The echoed prompt leads the text; its tokens lead the logprobs (the first unscored),
+    the same streamed."""
+    kwargs = dict(model=server.model, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                  logprobs=2)  # fmt: skip
+    reply = client.completions.create(**kwargs)
+    choice, usage = reply.choices[0], reply.usage
+    lp = choice.logprobs
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text
+    if isinstance(prompt, str):
+        assert choice.text.startswith(prompt)
+    pieces = list(client.completions.create(stream=True, **kwargs))
+    streamed = [v for p in pieces for v in p.choices[0].logprobs.token_logprobs]
+    assert "".join(p.choices[0].text for p in pieces) == choice.text
+    assert [None if v is None else round(v, 4) for v in streamed] == [
+        None if v is None else round(v, 4) for v in lp.token_logprobs
+    ]
+
+
+def test_echo_without_logprobs(client, server):
+    reply = client.completions.create(model=server.model, prompt="Once", max_tokens=3, echo=True)
+    assert reply.choices[0].text.startswith("Once") and reply.choices[0].logprobs is None

@@ -7,7 +7,7 @@ stop strings belong to the frontend; the engine handles stops it can see in toke
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
-from pegainfer.core.sampler import SampledLogprobs, sample_requests
+from pegainfer.core.sampler import ScoredTokens, sample_requests
 from pegainfer.core.scheduler import SchedulerConfig, SchedulerStep
 from pegainfer.core.structured_output import Grammars
 
@@ -90,7 +90,11 @@ class _Launched:
     step: SchedulerStep
     tokens: torch.Tensor  # one per sampling chunk, on the device
     rows: dict[int, int]  # id(request) -> its row in `tokens`
-    logprobs: SampledLogprobs | None = None  # for the rows that asked
+    logprobs: tuple[list[int], ScoredTokens] | None = None  # the rows that asked, scored
+    # Prompt logprobs: (request, position of the first token scored, its tokens, scores).
+    prompt_logprobs: list[tuple[Request, int, list[int], ScoredTokens]] = field(
+        default_factory=list
+    )
 
     def feed(self, step: SchedulerStep, batch: ForwardBatch) -> None:
         """Give the next step the tokens it needs from this one, device to device: a request
@@ -348,24 +352,58 @@ class EngineCore:
         else:
             self.model.prepare(batch)
             logits = self.model(batch, self.kv_cache)
+        prompt_logprobs = self._score_prompts(step, batch, logits)
+        if batch.sample_rows is not None:
+            logits = logits[batch.sample_rows]
         samplers = [c.request for c in step.chunks if c.samples]
         tokens = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
-        logprobs = SampledLogprobs.of(logits, tokens, samplers)
+        logprobs = ScoredTokens.sampled(logits, tokens, samplers)
         self.scheduler.advance(step)
         rows = {id(r): row for row, r in enumerate(samplers)}
-        return _Launched(step, tokens, rows, logprobs)
+        return _Launched(step, tokens, rows, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _score_prompts(
+        step: SchedulerStep, batch: ForwardBatch, logits: torch.Tensor
+    ) -> list[tuple[Request, int, list[int], ScoredTokens]]:
+        """Each prompt-logprobs chunk's rows score the prompt tokens after them."""
+        scored = []
+        for chunk, first_row in zip(step.chunks, batch.chunk_logits_cpu, strict=True):
+            if first_row is None:
+                continue
+            request = chunk.request
+            start = request.num_computed_tokens
+            end = min(start + chunk.num_tokens, request.num_prompt_tokens - 1)
+            targets = request.token_ids[start + 1 : end + 1]
+            rows = torch.arange(first_row, first_row + len(targets), device=logits.device)
+            count = request.params.prompt_logprobs or 0
+            target_ids = torch.tensor(targets, device=logits.device)
+            scores = ScoredTokens.of(logits, rows, target_ids, [count] * len(targets))
+            scored.append((request, start + 1, targets, scores))
+        return scored
 
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Bring a launched step's tokens to the host (the step's one device-to-host copy) and
         report them."""
         token_ids = launched.tokens.tolist()
-        logprobs = {} if launched.logprobs is None else launched.logprobs.to_host(token_ids)
+        logprobs = {}
+        if launched.logprobs is not None:
+            rows, scores = launched.logprobs
+            logprobs = dict(zip(rows, scores.to_host([token_ids[r] for r in rows]), strict=True))
+        for request, position, targets, scores in launched.prompt_logprobs:
+            if request.prompt_logprobs is not None:  # not yet sent
+                for i, entry in enumerate(scores.to_host(targets)):
+                    request.prompt_logprobs[position + i] = entry
         outputs = []
         for request in self.scheduler.commit(launched.step, token_ids):
             row = launched.rows[id(request)]
             output = self._output(request, [token_ids[row]])
             if row in logprobs:
                 output.logprobs = [logprobs[row]]
+            if request.prompt_logprobs is not None:  # its first token: the prompt is scored
+                output.prompt_logprobs = [request.prompt_logprobs[p]
+                                          for p in sorted(request.prompt_logprobs)]  # fmt: skip
+                request.prompt_logprobs = None
             outputs.append(output)
             if request.finished:
                 self.requests.pop(request.request_id, None)
@@ -390,6 +428,11 @@ class EngineCore:
             state_slots=[c.request.slot for c in step.chunks],
             state_restore=[c.restore_from for c in step.chunks],
             state_snapshot=[c.snapshot and c.snapshot[:2] for c in step.chunks],
+            every_row=[
+                c.request.prompt_logprobs is not None
+                and c.request.num_computed_tokens < c.request.num_prompt_tokens - 1
+                for c in step.chunks
+            ],
         )
 
     def stats(self) -> EngineStats:

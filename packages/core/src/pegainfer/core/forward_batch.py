@@ -33,6 +33,10 @@ class ForwardBatch:
     state_restore_cpu: list[int | None] = field(default_factory=list)
     state_snapshot_cpu: list[tuple[int, int] | None] = field(default_factory=list)
     state_slots: torch.Tensor | None = None  # [B] int64 on the device: state_slots_cpu
+    # With `every_row` in `build`: which rows of the logits are the sampling rows ([S] int64
+    # on the device), and per sequence the first logits row of its chunk (None: last row only).
+    sample_rows: torch.Tensor | None = None
+    chunk_logits_cpu: list[int | None] = field(default_factory=list)
 
     @property
     def starts_states(self) -> bool:
@@ -71,11 +75,13 @@ class ForwardBatch:
         state_slots: list[int] | None = None,
         state_restore: list[int | None] | None = None,
         state_snapshot: list[tuple[int, int] | None] | None = None,
+        every_row: list[bool] | None = None,
     ) -> ForwardBatch:
         """Flatten one step: sequence i feeds `token_chunks[i]` starting at `start_positions[i]`.
 
         `sample_mask[i]` says whether sequence i wants logits for its last row (a prefill chunk
-        that does not reach the end of the prompt does not).
+        that does not reach the end of the prompt does not); `every_row[i]`, whether it wants
+        them for every row of its chunk (prompt logprobs).
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -83,8 +89,11 @@ class ForwardBatch:
         query_start = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        for chunk, start, table, sample in zip(
-            token_chunks, start_positions, block_tables, sample_mask, strict=True
+        sample_rows: list[int] = []
+        chunk_logits: list[int | None] = []
+        every = every_row or [False] * len(token_chunks)
+        for chunk, start, table, sample, all_rows in zip(
+            token_chunks, start_positions, block_tables, sample_mask, every, strict=True
         ):
             input_ids.extend(chunk)
             for pos in range(start, start + len(chunk)):
@@ -92,17 +101,26 @@ class ForwardBatch:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
             query_start.append(query_start[-1] + len(chunk))
             seq_lens.append(start + len(chunk))
-            if sample:
+            chunk_logits.append(len(logits_indices) if all_rows else None)
+            if all_rows:
+                logits_indices.extend(range(query_start[-2], query_start[-1]))
+            elif sample:
                 logits_indices.append(query_start[-1] - 1)
+            if sample:
+                sample_rows.append(len(logits_indices) - 1)
         # One host tensor, one (pinned, asynchronous) copy to the device.
         state_slots = [] if state_slots is None else list(state_slots)
+        if not any(every):
+            sample_rows = []  # the logits rows are the sampling rows
         host = torch.tensor(
-            input_ids + positions + slots + logits_indices + state_slots, dtype=torch.int64
+            input_ids + positions + slots + logits_indices + state_slots + sample_rows,
+            dtype=torch.int64,
         )
         if device.type == "cuda":
             host = host.pin_memory().to(device, non_blocking=True)
         tokens = len(input_ids)
-        fields = host.split([tokens, tokens, tokens, len(logits_indices), len(state_slots)])
+        sizes = [tokens, tokens, tokens, len(logits_indices), len(state_slots), len(sample_rows)]
+        fields = host.split(sizes)
         return cls(
             input_ids=fields[0],
             positions=fields[1],
@@ -121,4 +139,6 @@ class ForwardBatch:
             if state_snapshot is None
             else list(state_snapshot),
             state_slots=fields[4] if state_slots else None,
+            sample_rows=fields[5] if any(every) else None,
+            chunk_logits_cpu=chunk_logits,
         )

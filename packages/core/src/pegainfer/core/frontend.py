@@ -35,6 +35,7 @@ class StreamDelta:
     # Set when a stop string ended the request but the engine does not know yet.
     abort_engine: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, if asked
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RequestStream:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # of the prompt's tokens after its first
 
     def __post_init__(self) -> None:
         self._detokenizer = IncrementalDetokenizer(
@@ -78,8 +80,11 @@ class RequestStream:
             text_ids = text_ids[:-1]
         decoded = self._detokenizer.push(text_ids)
         text = decoded.text
-        delta = StreamDelta(text, list(output.new_token_ids), logprobs=output.logprobs or [])
+        delta = StreamDelta(text, list(output.new_token_ids), logprobs=output.logprobs or [],
+                            prompt_logprobs=output.prompt_logprobs)  # fmt: skip
         self.logprobs.extend(delta.logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if decoded.finished:
             self.finish_reason, self.stop_reason = "stop", self._detokenizer.stop_reason
             delta.abort_engine = not output.finished

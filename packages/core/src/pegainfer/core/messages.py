@@ -61,6 +61,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     queue_time: float | None = None
     # One per new token, when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
+    # With the first token, when asked: prompt tokens 1.. scored by the prompt before them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

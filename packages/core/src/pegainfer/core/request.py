@@ -48,6 +48,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
         self.grammar: Any = None  # its llguidance matcher, with structured output
+        # Prompt logprobs by position (1..), until they go out with the first token.
+        self.prompt_logprobs: dict[int, Any] | None = (
+            {} if msg.params.prompt_logprobs is not None else None
+        )
 
     #: Stands in token_ids for a token sampled by a step still on the GPU (async scheduling).
     PENDING = -1

@@ -172,12 +172,11 @@ def _penalties(request: Request) -> Penalties:
 
 
 @dataclass
-class SampledLogprobs:
-    """One step's sampled tokens' logprobs, ranks and top alternatives for the rows that ask,
-    computed on the logits' device from the model's own distribution (before temperature,
-    penalties, biases or masks, as vLLM reports them by default); `to_host` brings them over."""
+class ScoredTokens:
+    """Given tokens' logprobs, ranks (1: the most likely) and top alternatives at given rows of
+    the logits, from the model's own distribution (before temperature, penalties, biases or
+    masks, as vLLM reports them by default); on the logits' device until `to_host`."""
 
-    rows: list[int]
     counts: list[int]  # alternatives each row asked for
     logprob: torch.Tensor  # [R]
     rank: torch.Tensor  # [R]
@@ -186,25 +185,31 @@ class SampledLogprobs:
 
     @classmethod
     def of(
+        cls, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, counts: list[int]
+    ) -> ScoredTokens:
+        logprobs = logits[rows].float().log_softmax(dim=-1)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        rank = (logprobs > chosen[:, None]).sum(dim=1) + 1
+        top_logprobs, top_ids = logprobs.topk(max(counts), dim=-1)
+        return cls(counts, chosen, rank, top_logprobs, top_ids)
+
+    @classmethod
+    def sampled(
         cls, logits: torch.Tensor, tokens: torch.Tensor, requests: Sequence[Request]
-    ) -> SampledLogprobs | None:
+    ) -> tuple[list[int], ScoredTokens] | None:
+        """The sampled tokens of the requests that ask for logprobs, and those rows."""
         rows = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
         if not rows:
             return None
-        counts = [requests[row].params.logprobs or 0 for row in rows]
         index = torch.tensor(rows, device=logits.device)
-        logprobs = logits[index].float().log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens[index][:, None]).squeeze(1)
-        rank = (logprobs > chosen[:, None]).sum(dim=1) + 1
-        top_logprobs, top_ids = logprobs.topk(max(counts), dim=-1)
-        return cls(rows, counts, chosen, rank, top_logprobs, top_ids)
+        counts = [requests[row].params.logprobs or 0 for row in rows]
+        return rows, cls.of(logits, index, tokens[index], counts)
 
-    def to_host(self, tokens: list[int]) -> dict[int, TokenLogprob]:
-        """By row: the sampled token's entry (`tokens` are the step's sampled ids)."""
+    def to_host(self, targets: list[int]) -> list[TokenLogprob]:
         logprob, rank = self.logprob.tolist(), self.rank.tolist()
         top_logprobs, top_ids = self.top_logprobs.tolist(), self.top_ids.tolist()
-        return {
-            row: TokenLogprob(tokens[row], logprob[i], rank[i],
-                              list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)))
-            for i, (row, k) in enumerate(zip(self.rows, self.counts, strict=True))
-        }  # fmt: skip
+        return [
+            TokenLogprob(target, logprob[i], rank[i],
+                         list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)))
+            for i, (target, k) in enumerate(zip(targets, self.counts, strict=True))
+        ]  # fmt: skip

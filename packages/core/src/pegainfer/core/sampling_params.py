@@ -55,6 +55,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Report each sampled token's logprob (of the model's own distribution, before any
     #: sampling transform) and the `logprobs` most likely tokens' beside it; None: none.
     logprobs: int | None = None
+    #: The same for every prompt token after the first (the prompt is then never read from the
+    #: prefix cache: its logits are needed).
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -99,10 +102,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError(
-                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(
+                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name
+                )
         if self.structured is not None and (self.ignore_eos or self.min_tokens):
             # The grammar ends the output with an EOS token; these forbid it.
             field = "ignore_eos" if self.ignore_eos else "min_tokens"

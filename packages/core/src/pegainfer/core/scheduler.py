@@ -237,6 +237,8 @@ class Scheduler:
         """The cached blocks the request reuses, and for recurrent models the checkpoint its
         state restarts from (the hit is cut back to the longest checkpointed prefix)."""
         self.blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
+        if request.prompt_logprobs is not None:  # every prompt position's logits are needed
+            return [], None
         # Leave at least one token to compute: its logits give the next token.
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit = self.blocks.match_prefix(request.block_hashes, max_blocks)
@@ -251,7 +253,7 @@ class Scheduler:
     def _restore_from_host(self, request: Request, device_hit: int) -> list[tuple[bytes, int]]:
         """The blocks after the device hit that the host tier holds, each with a fresh device
         block to copy it into (none if the pool is short)."""
-        if self.offload is None:
+        if self.offload is None or request.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         found = []

@@ -77,6 +77,8 @@ class Completions:
     ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
         logprobs = completion_count(body.logprobs)
         params = sampling_params(self.client, body, body.max_tokens, logprobs)
+        if body.echo and logprobs is not None:  # the echoed prompt's tokens are scored too
+            params = msgspec.structs.replace(params, prompt_logprobs=logprobs)
         copies = choice_params(params, body.n)
         rid = request_id("cmpl")
         # Choice p * n + i is the i-th of the n choices of prompt p.
@@ -91,11 +93,14 @@ class Completions:
     async def create(self, body: CompletionRequest) -> CompletionResponse:
         rid, requests = self.prepare(body)
         streams = await collect(self.client, requests, reserve(self.client, len(requests)))
-        choices = [
-            CompletionChoice(i, s.text, self._logprobs(body, s.logprobs), s.finish_reason,
-                             s.stop_reason)
-            for i, s in enumerate(streams)
-        ]  # fmt: skip
+        choices = []
+        for i, ((request, prompt), stream) in enumerate(zip(requests, streams, strict=True)):
+            text, logprobs = self._text_and_logprobs(
+                body, request, prompt, stream.text, stream.logprobs, stream.prompt_logprobs, 0
+            )
+            choices.append(
+                CompletionChoice(i, text, logprobs, stream.finish_reason, stream.stop_reason)
+            )
         return CompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
     def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
@@ -106,11 +111,13 @@ class Completions:
         offsets = [0] * len(requests)  # text each choice has streamed, for text_offset
 
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[CompletionResponse]:
-            logprobs = self._logprobs(body, delta.logprobs, offsets[index])
-            offsets[index] += len(delta.text)
-            choice = CompletionChoice(
-                index, delta.text, logprobs, delta.finish_reason, delta.stop_reason
-            )
+            request, prompt = requests[index]
+            text, logprobs = self._text_and_logprobs(
+                body, request, prompt if first else None, delta.text, delta.logprobs,
+                delta.prompt_logprobs if first else None, offsets[index], echo=first,
+            )  # fmt: skip
+            offsets[index] += len(text)
+            choice = CompletionChoice(index, text, logprobs, delta.finish_reason, delta.stop_reason)
             return [CompletionResponse(rid, created, self.model_name, [choice])]
 
         def final(streams: list[RequestStream]) -> CompletionResponse | None:
@@ -120,7 +127,27 @@ class Completions:
 
         return sse_stream(self.client, requests, reservation, chunks, final)
 
-    def _logprobs(
-        self, body: CompletionRequest, entries: list[TokenLogprob], offset: int = 0
-    ) -> CompletionLogprobs | None:
-        return None if body.logprobs is None else self.logprobs.completion(entries, offset)
+    def _text_and_logprobs(
+        self,
+        body: CompletionRequest,
+        request: EngineRequest,
+        prompt: str | None,
+        text: str,
+        entries: list[TokenLogprob],
+        prompt_entries: list[TokenLogprob] | None,
+        offset: int,
+        echo: bool = True,
+    ) -> tuple[str, CompletionLogprobs | None]:
+        """A choice's text (after the echoed prompt, where asked and `echo`) and its logprobs
+        (the prompt's tokens first, then the answer's)."""
+        first_token = None
+        if body.echo and echo:
+            if prompt is None:
+                skip = request.params.skip_special_tokens
+                prompt = self.client.frontend.tokenizer.decode(request.prompt_token_ids, skip)
+            text = prompt + text
+            if prompt_entries is not None:
+                entries, first_token = prompt_entries + entries, request.prompt_token_ids[0]
+        if body.logprobs is None:
+            return text, None
+        return text, self.logprobs.completion(entries, offset, first_token)

@@ -58,19 +58,25 @@ class LogprobsFormatter:
             text = self._texts[token_id] = self.tokenizer.decode([token_id], False)
         return text
 
-    def completion(self, entries: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
-        """`offset`: where the first token's text starts in the choice's text."""
-        tokens, offsets = [], []
+    def completion(
+        self, entries: list[TokenLogprob], offset: int = 0, first_token: int | None = None
+    ) -> CompletionLogprobs:
+        """`offset`: where the first token's text starts in the choice's text; `first_token`:
+        an echoed prompt's first token, which nothing before it scores."""
+        logprobs = CompletionLogprobs([], [], [], [])
+        if first_token is not None:
+            logprobs.tokens.append(self.text(first_token))
+            logprobs.token_logprobs.append(None)
+            logprobs.top_logprobs.append(None)
+            logprobs.text_offset.append(offset)
+            offset += len(logprobs.tokens[-1])
         for entry in entries:
-            tokens.append(self.text(entry.token_id))
-            offsets.append(offset)
-            offset += len(tokens[-1])
-        return CompletionLogprobs(
-            tokens=tokens,
-            token_logprobs=[entry.logprob for entry in entries],
-            top_logprobs=[{self.text(t): lp for t, lp in entry.top} for entry in entries],
-            text_offset=offsets,
-        )
+            logprobs.tokens.append(self.text(entry.token_id))
+            logprobs.token_logprobs.append(entry.logprob)
+            logprobs.top_logprobs.append({self.text(t): lp for t, lp in entry.top})
+            logprobs.text_offset.append(offset)
+            offset += len(logprobs.tokens[-1])
+        return logprobs
 
     def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         def top(token_id: int, logprob: float) -> TopLogprob:

@@ -62,7 +62,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
 # Fields that change the output and are not implemented yet, with the values that mean "off".
 _NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "echo": (False,),
     "suffix": (None, ""),
     "prompt_logprobs": (None,),
     "functions": (None, []),
@@ -159,8 +158,8 @@ class Usage(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
