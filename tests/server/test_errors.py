@@ -244,12 +244,12 @@ BAD_REQUESTS = {
         "response_format",
         "tool_choice",
     ),
-    "tools": (
+    "tools-without-a-name": (
         CHAT,
-        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        chat(tools=[{"type": "function", "function": {"parameters": {}}}]),
         400,
         "tools",
-        "tools",
+        "name",
     ),
     "tool-choice-required": (CHAT, chat(tool_choice="required"), 400, "tool_choice", None),
     "image-content-part": (CHAT, chat(messages=image_message()), 400, "messages", "image"),

@@ -23,7 +23,7 @@ CASES = [
 
 @pytest.mark.parametrize(("text", "reasoning", "content"), CASES)
 def test_whole_answers(text, reasoning, content):
-    got_reasoning, got_content, _ = AnswerParser("qwen3", None).feed(text, last=True)
+    got_reasoning, got_content, _ = AnswerParser(ThinkSplitter, None).feed(text, last=True)
     assert (got_reasoning or None, got_content) == (reasoning, content)
 
 

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from pegainfer.server.chat import AnswerParser
+from pegainfer.server.reasoning import ThinkSplitter
 from pegainfer.server.tool_calls import TOOL_CALL_PARSERS
 from tests.server.conftest import start_server, stop_server
 
@@ -61,7 +62,7 @@ def test_qwen35_xml_calls_in_every_cut(text, content, calls):
 
 
 def test_reasoning_then_a_call():
-    parser = AnswerParser("qwen3", TOOL_CALL_PARSERS["hermes"])
+    parser = AnswerParser(ThinkSplitter, TOOL_CALL_PARSERS["hermes"])
     reasoning, content, calls = parser.feed("<think>\nNeed weather.\n</think>\n\n" + CALL, True)
     assert reasoning == "\nNeed weather.\n" and content == "" and calls[0].name == "weather"
     assert calls[0].id.startswith("call_")

@@ -56,6 +56,9 @@ class EngineConfig:
     block_size: int
     num_kv_blocks: int
     vocab_size: int
+    # The line's default chat answer parsers (registered names).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -201,6 +204,8 @@ class EngineCore:
             block_size=args.block_size,
             num_kv_blocks=num_blocks,
             vocab_size=self.model.vocab_size,
+            reasoning_parser=line.reasoning_parser,
+            tool_call_parser=line.tool_call_parser,
         )
         self.offload: HostMemoryTier | None = None
         if args.kv_offload:

@@ -116,6 +116,10 @@ class ModelLine(ABC):
     #: not for recurrent layers until their states are checkpointed); if not, the engine runs
     #: the line with prefix caching off.
     supports_prefix_caching: bool = True
+    #: The chat answer parsers this family's output needs, by registered name (plugins.py);
+    #: the server uses them unless told otherwise.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
     @abstractmethod
     def probe(self, config: dict[str, Any]) -> Probe:

@@ -6,8 +6,11 @@ A package adds a family by declaring, in its pyproject.toml,
     myfamily = "my_package.plugin"
 
 where `my_package.plugin` holds a function decorated with `hookimpl` named
-`pegainfer_model_lines` returning `ModelLine` instances. Hooks must be cheap and import heavy
-modules lazily: they run in every process that needs the registry.
+`pegainfer_model_lines` returning `ModelLine` instances. A plugin may also contribute chat
+answer parsers (`pegainfer_reasoning_parsers`, `pegainfer_tool_call_parsers`: names to parser
+classes, with the interfaces of `pegainfer.server.reasoning` and `pegainfer.server.tool_calls`),
+which a line names as its defaults. Hooks must be cheap and import heavy modules lazily: they
+run in every process that needs the registry.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ class _Specs:
     def pegainfer_model_lines(self) -> list[ModelLine]:  # type: ignore[empty-body]
         """Return the model lines this plugin contributes."""
 
+    @hookspec
+    def pegainfer_reasoning_parsers(self) -> dict[str, Any]:  # type: ignore[empty-body]
+        """Return reasoning parsers by name: classes whose instances split one answer."""
+
+    @hookspec
+    def pegainfer_tool_call_parsers(self) -> dict[str, Any]:  # type: ignore[empty-body]
+        """Return tool-call parsers by name: classes whose instances parse one answer."""
+
 
 def create_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     """A plugin manager with our hook specs and, by default, every installed plugin.
@@ -73,6 +84,18 @@ def model_lines(pm: pluggy.PluginManager | None = None) -> list[ModelLine]:
     if duplicates:
         raise ModelLineError(f"model line name(s) registered twice: {', '.join(duplicates)}")
     return lines
+
+
+def answer_parsers(pm: pluggy.PluginManager, kind: str) -> dict[str, Any]:
+    """Every parser of `kind` ("reasoning" or "tool_call") the registered plugins contribute."""
+    hook = getattr(pm.hook, f"pegainfer_{kind}_parsers")
+    found: dict[str, Any] = {}
+    for group in hook():
+        twice = sorted(found.keys() & group.keys())
+        if twice:
+            raise ModelLineError(f"{kind} parser(s) registered twice: {', '.join(twice)}")
+        found |= group
+    return found
 
 
 def detect_model_line(config: dict[str, Any], lines: list[ModelLine]) -> ModelLine:

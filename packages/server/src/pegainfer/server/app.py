@@ -52,8 +52,10 @@ class ServerState:
     startup_error: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
     logged_unknown_fields: set[str] = field(default_factory=set)
-    reasoning_parser: str | None = None  # splits chat answers into reasoning and content
-    tool_call_parser: str | None = None  # turns function calls in chat answers into tool_calls
+    # Parser classes (parsers.py), set once the model line is known: one splits chat answers
+    # into reasoning and content, the other turns function calls in them into tool_calls.
+    reasoning_parser: Any = None
+    tool_call_parser: Any = None
 
     def ready_client(self) -> AsyncEngineClient:
         if self.client is None:

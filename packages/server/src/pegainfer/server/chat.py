@@ -33,14 +33,9 @@ from pegainfer.server.protocol import (
     DeltaMessage,
     ImagePart,
 )
-from pegainfer.server.reasoning import REASONING_PARSERS
+from pegainfer.server.reasoning import ThinkSplitter
 from pegainfer.server.structured import forced_tool_calls
-from pegainfer.server.tool_calls import (
-    TOOL_CALL_PARSERS,
-    ForcedToolCalls,
-    TaggedToolCalls,
-    ToolCall,
-)
+from pegainfer.server.tool_calls import ForcedToolCalls, TaggedToolCalls, ToolCall
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -85,9 +80,11 @@ class AnswerParser:
     parser is optional (None: the text is all content)."""
 
     def __init__(
-        self, reasoning: str | None, tool_calls: Callable[[], ToolCallParser] | None
+        self,
+        reasoning: Callable[[], ThinkSplitter] | None,
+        tool_calls: Callable[[], ToolCallParser] | None,
     ) -> None:
-        self._reasoning = REASONING_PARSERS[reasoning]() if reasoning else None
+        self._reasoning = reasoning() if reasoning else None
         self._tools = tool_calls() if tool_calls else None
 
     def feed(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
@@ -109,8 +106,8 @@ class Chat:
         self,
         client: AsyncEngineClient,
         model_name: str,
-        reasoning_parser: str | None = None,
-        tool_call_parser: str | None = None,
+        reasoning_parser: Callable[[], ThinkSplitter] | None = None,
+        tool_call_parser: Callable[[], ToolCallParser] | None = None,
     ) -> None:
         self.client = client
         self.model_name = model_name
@@ -154,8 +151,8 @@ class Chat:
         if not body.tools or body.tool_choice == "none":
             return None
         if self.tool_call_parser is None and body.tool_choice in (None, "auto"):
-            raise bad_request("this server parses no tool calls; start it with "
-                              "--tool-call-parser to use tools", "tools")  # fmt: skip
+            raise bad_request("this server parses no tool calls (the model line names no parser, "
+                              "or --tool-call-parser none); tools need one", "tools")  # fmt: skip
         for i, tool in enumerate(body.tools):
             function = tool.get("function")
             if (
@@ -174,7 +171,7 @@ class Chat:
         if forced is not None:
             return lambda: ForcedToolCalls(forced[1])
         if body.tools and body.tool_choice != "none" and self.tool_call_parser:
-            return TOOL_CALL_PARSERS[self.tool_call_parser]
+            return self.tool_call_parser
         return None
 
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:

@@ -17,8 +17,7 @@ from typing import Any
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.errors import PegainferError
-from pegainfer.server.reasoning import REASONING_PARSERS
-from pegainfer.server.tool_calls import TOOL_CALL_PARSERS
+from pegainfer.server import parsers
 
 logger = logging.getLogger("pegainfer.server")
 
@@ -79,16 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=sorted(REASONING_PARSERS),
-        help="Split chat answers' thinking into reasoning_content (qwen3: <think>...</think>).",
+        help="Split chat answers' thinking into reasoning_content (qwen3: <think>...</think>; "
+        "plugins may add more); default: the model line's, 'none' for no split.",
     )
     server.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=sorted(TOOL_CALL_PARSERS),
         help="Turn function calls in chat answers into tool_calls (hermes: Qwen3's "
-        "<tool_call>{json}</tool_call>; qwen3_xml: Qwen3.5's <function=...> form); needed "
-        "for requests with tools.",
+        "<tool_call>{json}</tool_call>; qwen3_xml: Qwen3.5's <function=...> form; plugins may "
+        "add more); default: the model line's, 'none' to refuse requests with tools.",
     )
     server.add_argument(
         "--log-level",
@@ -121,10 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         engine_args = EngineArgs(**options).validate()
+        parsers.check_names(parsers.registry(), _requested_parsers(server))
     except PegainferError as exc:
         print(f"pegainfer-server: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(serve(engine_args, server))
+
+
+def _requested_parsers(server: dict[str, Any]) -> dict[str, str | None]:
+    return {"reasoning": server["reasoning_parser"], "tool_call": server["tool_call_parser"]}
 
 
 async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
@@ -142,8 +145,6 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
         model_names=names,
         api_key=server["api_key"],
         max_body_bytes=server["max_request_bytes"],
-        reasoning_parser=server["reasoning_parser"],
-        tool_call_parser=server["tool_call_parser"],
     )
     config = Config()
     config.bind = [f"{server['host']}:{server['port']}"]
@@ -162,6 +163,9 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
         engine = await asyncio.to_thread(EngineCore, engine_args)
         config = engine.config
         frontend = await asyncio.to_thread(Frontend, config.model_dir, config.tokenizer_dir)
+        line_defaults = {"reasoning": config.reasoning_parser, "tool_call": config.tool_call_parser}
+        chosen = parsers.resolve(parsers.registry(), _requested_parsers(server), line_defaults)
+        state.reasoning_parser, state.tool_call_parser = chosen["reasoning"], chosen["tool_call"]
         state.client = AsyncEngineClient(
             engine, frontend, Metrics(names[0]), server["max_waiting_requests"]
         )

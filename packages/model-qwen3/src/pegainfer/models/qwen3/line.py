@@ -12,6 +12,8 @@ from pegainfer.models.qwen3.config import Qwen3Config
 
 class Qwen3Line(ModelLine):
     name = "qwen3"
+    reasoning_parser = "qwen3"  # <think>…</think>
+    tool_call_parser = "hermes"
     unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
 
     def probe(self, config: dict[str, Any]) -> Probe:

@@ -14,6 +14,8 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 class Qwen35Line(ModelLine):
     name = "qwen35"
+    reasoning_parser = "qwen3"  # <think>…</think>
+    tool_call_parser = "qwen3_xml"
 
     def probe(self, config: dict[str, Any]) -> Probe:
         model_type = config.get("model_type")
