@@ -1,0 +1,113 @@
+"""The chat features end to end with the openai SDK, on a test-only line that writes scripted
+answers (`scripted_line.py`, installed through an entry point as a third party would): a full
+tool-call round trip, the reasoning split, and n = 3 seeded choices, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from pegainfer.models.qwen3.tiny import write_tiny_qwen3
+from tests.server.conftest import start_server, stop_server
+
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+SCRIPTS = [
+    ["<tool_response>", "It is sunny in Paris."],
+    ["Plan my day", "<think>\nThe user wants a plan.\n</think>\n\nWake up, then work."],
+    ["Pick numbers", "Yours: §§§§§§§§."],
+    ["", CALL],
+]
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "parameters": {"type": "object",
+                                      "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scripted")
+    plugin = root / "plugin"
+    plugin.mkdir()
+    shutil.copy(Path(__file__).parent / "scripted_line.py", plugin / "scripted_line.py")
+    dist_info = plugin / "pegainfer_scripted-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: pegainfer-scripted\n"
+                                        "Version: 0.1\n")  # fmt: skip
+    (dist_info / "entry_points.txt").write_text("[pegainfer]\nscripted = scripted_line\n")
+    model = root / "model"
+    write_tiny_qwen3(model)  # its tokenizer, chat template and generation config
+    config = json.loads((model / "config.json").read_text())
+    scripted_config = {"model_type": "scripted", "vocab_size": config["vocab_size"],
+                       "eos_token_id": config["eos_token_id"], "scripts": SCRIPTS}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(scripted_config))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin), os.getcwd()])}
+    server = start_server(model, root / "server.log", "--max-model-len", "2048", env=env)
+    yield server, openai.OpenAI(base_url=server.base_url, api_key="none")
+    stop_server(server)
+
+
+def ask(client, server, messages, stream=False, **kwargs):
+    """The answer's (content, reasoning, tool calls as (name, arguments), finish reasons)."""
+    kwargs = dict(model=server.model, messages=messages, max_tokens=100, **kwargs)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        message = choice.message
+        calls = [(c.function.name, json.loads(c.function.arguments), c.id)
+                 for c in message.tool_calls or []]  # fmt: skip
+        return (
+            message.content,
+            getattr(message, "reasoning_content", None),
+            calls,
+            choice.finish_reason,
+        )
+    content, reasoning, calls, reason = "", "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        calls += [(c.function.name, json.loads(c.function.arguments), c.id)
+                  for c in delta.tool_calls or []]  # fmt: skip
+        reason = chunk.choices[0].finish_reason or reason
+    return content or None, reasoning or None, calls, reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_round_trip(scripted, stream):
+    server, client = scripted
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    content, _, calls, reason = ask(client, server, messages, stream, tools=TOOLS)
+    assert (content, reason) == (None, "tool_calls")
+    assert [(name, args) for name, args, _ in calls] == [("weather", {"city": "Paris"})]
+    call_id = calls[0][2]
+    assert call_id.startswith("call_")
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21C"},
+    ]  # fmt: skip
+    content, _, calls, reason = ask(client, server, messages, stream, tools=TOOLS)
+    assert (content, calls, reason) == ("It is sunny in Paris.", [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_is_split_from_the_answer(scripted, stream):
+    server, client = scripted
+    messages = [{"role": "user", "content": "Plan my day"}]
+    content, reasoning, calls, reason = ask(client, server, messages, stream)
+    assert reasoning.strip() == "The user wants a plan."
+    assert content.strip() == "Wake up, then work." and not calls and reason == "stop"
+
+
+def test_three_seeded_choices_differ_and_repeat(scripted):
+    server, client = scripted
+    kwargs = dict(model=server.model, messages=[{"role": "user", "content": "Pick numbers"}],
+                  n=3, seed=11, temperature=1.0, max_tokens=30)  # fmt: skip
+    first = [c.message.content for c in client.chat.completions.create(**kwargs).choices]
+    again = [c.message.content for c in client.chat.completions.create(**kwargs).choices]
+    assert first == again and len(set(first)) == 3
+    assert all(text.startswith("Yours: ") and text[7:15].isdigit() for text in first)
