@@ -165,3 +165,15 @@ def test_prompt_logprobs_are_transformers_log_softmax(reference):
         assert abs(entry.logprob - row[entry.token_id].item()) <= 1e-4
         assert entry.rank == int((row > row[entry.token_id]).sum()) + 1
         assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+
+
+def test_copies_of_one_prompt_share_its_prefill(reference):
+    """n choices arrive as copies of one prompt: the first computes it, the others wait a step
+    and reuse its blocks, and each answers as the prompt alone would."""
+    path, batch, expected = reference
+    engine = make_engine(path)
+    prompt = batch[-1]  # 90 tokens: 22 full blocks of 4 reusable
+    for i in range(4):
+        submit(engine, f"copy{i}", prompt, greedy(NEW_TOKENS))
+    assert drain(engine) == {f"copy{i}": expected[-1] for i in range(4)}
+    assert engine.scheduler.counters.prefix_hits == 3 * 22 * 4

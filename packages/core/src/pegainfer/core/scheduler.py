@@ -143,6 +143,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if self._prefill_in_flight_covers(request):
+                break  # next step its prompt blocks are cached: it computes only the rest
             hit, restore_from = self._match_prefix(request)
             self.blocks.acquire(hit)
             restores = self._restore_from_host(request, len(hit))
@@ -232,6 +234,25 @@ class Scheduler:
                 if slot is not None:
                     chunk.snapshot = (boundary - start, slot, block_hash)
         return chunk
+
+    def _prefill_in_flight_covers(self, request: Request) -> bool:
+        """Whether a running request is still computing blocks this one would reuse beyond
+        what the cache holds now (the n choices of one prompt, identical prompts sent together):
+        waiting until they are sealed turns that prefill into a prefix hit."""
+        if not self.blocks.enable_prefix_caching or request.prompt_logprobs is not None:
+            return False
+        self.blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
+        reusable = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        cached = len(self.blocks.match_prefix(reusable, len(reusable)))
+        for other in self.running:  # its blocks count once sealed (cached), not when launched
+            shared = 0
+            for mine, theirs in zip(reusable, other.block_hashes, strict=False):
+                if mine != theirs:
+                    break
+                shared += 1
+            if shared > cached:
+                return True
+        return False
 
     def _match_prefix(self, request: Request) -> tuple[list[int], int | None]:
         """The cached blocks the request reuses, and for recurrent models the checkpoint its
