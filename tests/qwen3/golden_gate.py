@@ -238,3 +238,14 @@ class TeacherForcer:
             self.engine.block_manager.release(table[len(r) :])
         self.engine.block_manager.release(held)
         return [torch.stack(rows) for rows in out]
+
+
+def small_gate_passes(forcer: TeacherForcer, cases: list[Case]) -> dict[str, list[torch.Tensor]]:
+    """The small gate's passes over 9 cases: batched in the 16-graph, 5 of them in the 8-graph,
+    after a prefix hit, and eagerly."""
+    return {
+        "batch9_graph16": forcer.run(cases),
+        "batch5_graph8": forcer.run(cases[:5]),
+        "prefix_hit": forcer.run(cases, cached_prefix=True),
+        "eager": forcer.run(cases, graphs=False),
+    }

@@ -19,6 +19,7 @@ from tests.qwen3.golden_gate import (
     judge,
     make_cases,
     reference_logprobs,
+    small_gate_passes,
     write_gate_checkpoint,
 )
 
@@ -113,12 +114,7 @@ def test_small_golden_gate(small):
     refs16 = [reference_logprobs(hf, c) for c in cases]
     refs32 = [reference_logprobs(hf32, c) for c in cases]
     forcer = TeacherForcer(engine)
-    passes = {
-        "batch9_graph16": forcer.run(cases),
-        "batch5_graph8": forcer.run(cases[:5]),
-        "prefix_hit": forcer.run(cases, cached_prefix=True),
-        "eager": forcer.run(cases, graphs=False),
-    }
+    passes = small_gate_passes(forcer, cases)
     print(json.dumps(judge(passes, refs16, refs32), indent=2))
 
 

@@ -24,6 +24,7 @@ from tests.qwen3.golden_gate import (
     judge,
     make_cases,
     reference_logprobs,
+    small_gate_passes,
 )
 
 pytestmark = pytest.mark.gpu
@@ -158,12 +159,7 @@ def test_small_golden_gate(small):
     refs32 = [reference_logprobs(hf32, c) for c in [*cases, long]]
     del hf32
     forcer = TeacherForcer(engine)
-    passes = {
-        "batch9_graph16": forcer.run(cases),
-        "batch5_graph8": forcer.run(cases[:5]),
-        "prefix_hit": forcer.run(cases, cached_prefix=True),
-        "eager": forcer.run(cases, graphs=False),
-    }
+    passes = small_gate_passes(forcer, cases)
     print(json.dumps(judge(passes, refs16[:-1], refs32[:-1]), indent=2))
     print(
         json.dumps(judge({"prompt_1500": forcer.run([long])}, refs16[-1:], refs32[-1:]), indent=2)
