@@ -32,6 +32,7 @@ from pegainfer.core.engine import EngineCore
 from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampler import sample_requests
 from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.structured_output import StructuredOutput
 from pegainfer.server.bench.make_checkpoint import QWEN35_SHAPES, SHAPES, write_weights
 from pegainfer.server.bench.report import git_revision
 
@@ -66,8 +67,19 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / cuda_time(lambda: a @ b)
 
 
-def submit(engine: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+# A JSON object whose one string must be longer than any measured answer: the grammar never
+# lets a constrained request end early, so the batch stays the same while it is timed.
+LONG_STRING = StructuredOutput.json_schema({
+    "type": "object", "required": ["text"], "additionalProperties": False,
+    "properties": {"text": {"type": "string", "minLength": 100_000}},
+})  # fmt: skip
+
+
+def submit(
+    engine: EngineCore, rid: str, prompt: list[int], max_tokens: int, constrained: bool = False
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not constrained,
+                            structured=LONG_STRING if constrained else None)  # fmt: skip
     engine.add_request(
         EngineRequest(
             request_id=rid, prompt_token_ids=prompt, params=params, eos_token_ids=[],
@@ -139,13 +151,16 @@ def decode_step_time(
     steps: int,
     profile_dir: Path | None,
     mixed_prompt: int = 0,
+    constrained: float = 0.0,
 ) -> tuple[float, float, float | None]:
     """Median wall time of a full engine step, GPU time of the step's graph replay, and (with
-    `mixed_prompt`) median wall time of a step that also prefills a new prompt that long."""
+    `mixed_prompt`) median wall time of a step that also prefills a new prompt that long.
+    A `constrained` fraction of the requests decode under a JSON-schema grammar."""
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(0, VOCAB, (context,), generator=g).tolist()
-        submit(engine, f"d{batch}-{i}", prompt, decode_budget(batch, steps))
+        constrain = i < round(constrained * batch)
+        submit(engine, f"d{batch}-{i}", prompt, decode_budget(batch, steps), constrain)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.requests.values()):
         engine.step()  # prefill (and the first decodes as prefill completes)
     engine.step()
@@ -254,6 +269,10 @@ def main() -> None:
         help="also time decode steps that prefill one new prompt of this many tokens",
     )  # fmt: skip
     parser.add_argument(
+        "--constrained", type=float, default=0.0,
+        help="fraction of each decode batch generating under a JSON-schema grammar",
+    )  # fmt: skip
+    parser.add_argument(
         "--async-scheduling", action="store_true",
         help="engine with --async-scheduling: a step's host work overlaps the previous step",
     )  # fmt: skip
@@ -310,8 +329,9 @@ def main() -> None:
     for batch in batches:
         profile_dir = args.out.parent if batch in profiled else None
         step, replay, mixed = decode_step_time(
-            engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt
-        )
+            engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt,
+            args.constrained,
+        )  # fmt: skip
         kv = batch * ((args.context + args.steps // 2) * kv_bytes_per_token + state_bytes_per_seq)
         limit = (streamed + kv) / bandwidth
         decode.append({
@@ -350,6 +370,7 @@ def main() -> None:
         "weight_bytes": weight_bytes, "state_bytes_per_seq_step": state_bytes_per_seq,
         "engine_load_s": load_s,
         "num_kv_blocks": engine.config.num_kv_blocks, "async_scheduling": args.async_scheduling,
+        "constrained_fraction": args.constrained,
         "decode": decode, "prefill": prefill,
         "prefix_hit": prefix_hit,
     }  # fmt: skip

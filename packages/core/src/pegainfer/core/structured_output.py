@@ -79,8 +79,10 @@ class Grammars:
 
         key = tuple(eos_token_ids)
         if key not in self._tokenizers:
+            # No EOS at all (token-id clients may send none): llguidance's guess from the
+            # tokenizer stands in; the request then ends by length or its grammar's last token.
             self._tokenizers[key] = llguidance.LLTokenizer(
-                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(key)
+                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(key) or None
             )
         return self._tokenizers[key]
 
