@@ -101,15 +101,6 @@ def test_a_restore_racing_an_eviction_of_its_host_blocks(setup):
     assert len(engine.offload) <= 12
 
 
-def test_kv_offload_is_refused_for_models_with_recurrent_state(tmp_path):
-    from pegainfer.core.errors import ConfigError
-    from tests.qwen35.hf_reference import write_hf_checkpoint
-
-    path = write_hf_checkpoint(tmp_path, tie=True)
-    with pytest.raises(ConfigError, match="recurrent state"):
-        make_engine(path, kv_offload=True)
-
-
 class SlowLoads(OffloadBackend):
     """The engine's host tier, except that a load lands only after `delay` polls."""
 
@@ -122,8 +113,14 @@ class SlowLoads(OffloadBackend):
     def store(self, blocks, cache):
         self.inner.store(blocks, cache)
 
-    def load(self, blocks, cache):
-        return self.inner.load(blocks, cache)
+    def contains_state(self, block_hash):
+        return self.inner.contains_state(block_hash)
+
+    def store_states(self, checkpoints, cache):
+        self.inner.store_states(checkpoints, cache)
+
+    def load(self, blocks, cache, states=()):
+        return self.inner.load(blocks, cache, states)
 
     def ready(self, transfer):
         self.polls[id(transfer)] = self.polls.get(id(transfer), 0) + 1
@@ -135,8 +132,8 @@ class SlowLoads(OffloadBackend):
     def evict(self, block_hash):
         self.inner.evict(block_hash)
 
-    def before_step(self, reused_blocks):
-        self.inner.before_step(reused_blocks)
+    def before_step(self, reused_blocks, reused_slots=()):
+        self.inner.before_step(reused_blocks, reused_slots)
 
 
 def slow(engine, delay: int) -> None:

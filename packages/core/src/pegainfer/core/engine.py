@@ -209,18 +209,7 @@ class EngineCore:
         )
         self.offload: HostMemoryTier | None = None
         if args.kv_offload:
-            if states:
-                raise ConfigError(
-                    "--kv-offload does not cover models with recurrent state yet (the host tier "
-                    "does not hold their state checkpoints)"
-                )
-            capacity = int(args.kv_offload_gib * _GIB) // bytes_per_block(specs)
-            self.offload = HostMemoryTier(specs, capacity, device)
-            logger.info(
-                "KV offload: a host tier of %d blocks (%.2f GiB)",
-                capacity,
-                self.offload.nbytes / _GIB,
-            )
+            self.offload = self._host_tier(args, specs, states, checkpoints, device)
         self.block_manager = BlockManager(
             num_blocks,
             args.block_size,
@@ -240,6 +229,38 @@ class EngineCore:
         self.async_scheduling = args.async_scheduling
         self._in_flight: _Launched | None = None
         self.grammars = Grammars(tokenizer_dir, self.config.vocab_size)
+
+    @staticmethod
+    def _host_tier(
+        args: EngineArgs,
+        specs: list[ArenaSpec],
+        states: list[StateSpec],
+        checkpoints: int,
+        device: torch.device,
+    ) -> HostMemoryTier:
+        """The host tier: `--kv-offload-gib` of pinned memory. With recurrent state a quarter
+        of it (at most 4x the device's checkpoints) holds state checkpoints, the rest blocks."""
+        budget = int(args.kv_offload_gib * _GIB)
+        host_checkpoints = 0
+        if states:
+            if not checkpoints:
+                raise ConfigError(
+                    "--kv-offload with a recurrent model needs prefix caching with state "
+                    "checkpoints (--state-checkpoints > 0)"
+                )
+            per_checkpoint = sum(spec.bytes_per_slot for spec in states)
+            host_checkpoints = min(4 * checkpoints, budget // 4 // per_checkpoint)
+            budget -= host_checkpoints * per_checkpoint
+        tier = HostMemoryTier(
+            specs, budget // bytes_per_block(specs), device, states, host_checkpoints
+        )
+        logger.info(
+            "KV offload: a host tier of %d blocks%s (%.2f GiB)",
+            tier.capacity,
+            f" and {host_checkpoints} state checkpoints" if states else "",
+            tier.nbytes / _GIB,
+        )
+        return tier
 
     def _default_num_blocks(
         self,
@@ -332,8 +353,8 @@ class EngineCore:
             # Penalties and grammars follow every sampled token: bring pending ones home first.
             early, self._in_flight = self._commit(self._in_flight), None
         step = self.scheduler.schedule()
-        for request, blocks in step.restores:
-            request.restore = self.offload.load(blocks, self.kv_cache)
+        for request, blocks, states in step.restores:
+            request.restore = self.offload.load(blocks, self.kv_cache, states)
         launched = self._launch(step) if step.chunks else None
         if not self.async_scheduling:
             return self._commit(launched) if launched is not None else []
@@ -351,7 +372,9 @@ class EngineCore:
         if self._in_flight is not None:
             self._in_flight.feed(step, batch)
         if self.offload is not None:
-            self.offload.before_step(self.block_manager.take_handed_out())
+            self.offload.before_step(
+                self.block_manager.take_handed_out(), self.scheduler.take_reused_checkpoint_slots()
+            )
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
         else:
@@ -364,6 +387,8 @@ class EngineCore:
         tokens = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
         logprobs = ScoredTokens.sampled(logits, tokens, samplers)
         self.scheduler.advance(step)
+        if self.offload is not None:  # checkpoints this step writes, copied out after it
+            self.offload.store_states(self.scheduler.take_pending_state_stores(), self.kv_cache)
         rows = {id(r): row for row, r in enumerate(samplers)}
         return _Launched(step, tokens, rows, logprobs, prompt_logprobs)
 

@@ -5,6 +5,10 @@ blocks come back by copy instead of by recomputing the prefill. The scheduler de
 moves (it owns the hashes and the device blocks); the tier holds the bytes. Every arena the
 model declared is stored (K/V for GQA, a latent for MLA): a block's entry is its slice of each.
 
+Models with recurrent state (Qwen3.5) also need the state checkpoint where a reused prefix
+ends: the tier keeps copies of those too, keyed by the hash of the block the checkpoint follows,
+in a second pool of the state arenas' slot shape.
+
 The tier sits behind `OffloadBackend`, so a store shared across machines can replace the
 in-process host memory without touching the scheduler. Loads are asynchronous: a restoring
 request waits (holding its blocks) while the others keep running, and computes once its blocks
@@ -19,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-from pegainfer.core.kv_cache import ArenaSpec, KVCache, bytes_per_block
+from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec, bytes_per_block
 
 BlockHash = bytes
 
@@ -41,8 +45,22 @@ class OffloadBackend(ABC):
         """Keep copies of device blocks (every arena): (hash, device block) pairs."""
 
     @abstractmethod
-    def load(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> Transfer:
-        """Start copying stored blocks into device blocks: (hash, device block) pairs."""
+    def contains_state(self, block_hash: BlockHash) -> bool:
+        """Whether a state checkpoint following this block is stored (counts as a use)."""
+
+    @abstractmethod
+    def store_states(self, checkpoints: list[tuple[BlockHash, int]], cache: KVCache) -> None:
+        """Keep copies of state checkpoints: (hash of the block they follow, state slot) pairs."""
+
+    @abstractmethod
+    def load(
+        self,
+        blocks: list[tuple[BlockHash, int]],
+        cache: KVCache,
+        states: list[tuple[BlockHash, int]] = (),
+    ) -> Transfer:
+        """Start copying stored blocks into device blocks, (hash, device block) pairs, and
+        stored checkpoints into state slots, (hash, slot) pairs."""
 
     @abstractmethod
     def ready(self, transfer: Transfer) -> bool:
@@ -57,9 +75,10 @@ class OffloadBackend(ABC):
         """Forget a stored block."""
 
     @abstractmethod
-    def before_step(self, reused_blocks: list[int]) -> None:
-        """Order the step's GPU work after the stores still reading any of `reused_blocks`
-        (device blocks handed out again since the last step); other stores keep running."""
+    def before_step(self, reused_blocks: list[int], reused_slots: list[int] = ()) -> None:
+        """Order the step's GPU work after the stores still reading any of `reused_blocks` or
+        `reused_slots` (device blocks and checkpoint slots handed out again since the last
+        step); other stores keep running."""
 
 
 class Transfer:
@@ -81,7 +100,14 @@ class HostMemoryTier(OffloadBackend):
     a step waits only for the stores of device blocks it was handed again.
     """
 
-    def __init__(self, specs: list[ArenaSpec], capacity: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        specs: list[ArenaSpec],
+        capacity: int,
+        device: torch.device,
+        states: list[StateSpec] = (),
+        state_capacity: int = 0,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"the host tier needs room for a block, got capacity {capacity}")
         cuda = device.type == "cuda"
@@ -93,35 +119,40 @@ class HostMemoryTier(OffloadBackend):
             )
             for spec in specs
         }
-        self.nbytes = capacity * bytes_per_block(specs)
-        self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
-        self._free = list(range(capacity - 1, -1, -1))
+        self.state_arenas = {
+            spec.name: torch.empty(
+                (state_capacity, spec.num_layers, *spec.slot_shape),
+                dtype=spec.dtype,
+                pin_memory=cuda,
+            )
+            for spec in states
+        }
+        self.state_capacity = state_capacity if states else 0
+        self.nbytes = capacity * bytes_per_block(specs) + self.state_capacity * sum(
+            spec.bytes_per_slot for spec in states
+        )
+        self._blocks = _Pool(capacity)
+        self._states = _Pool(self.state_capacity)
         self._device = device if cuda else None
         self._store_stream = torch.cuda.Stream(device) if cuda else None
         self._load_stream = torch.cuda.Stream(device) if cuda else None
         self._reading: dict[int, torch.cuda.Event] = {}  # slot -> the last load reading it
         self._storing: dict[int, torch.cuda.Event] = {}  # device block -> its store's event
+        self._reading_states: dict[int, torch.cuda.Event] = {}  # host state slot -> last load
+        self._storing_slots: dict[int, torch.cuda.Event] = {}  # device state slot -> its store
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._blocks)
 
     def contains(self, block_hash: BlockHash) -> bool:
-        if block_hash not in self._slots:
-            return False
-        self._slots.move_to_end(block_hash)
-        return True
+        return self._blocks.touch(block_hash)
 
     def store(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> None:
         copies = []
         for block_hash, block_id in blocks:
-            if block_hash in self._slots:
-                self._slots.move_to_end(block_hash)
+            if self._blocks.touch(block_hash):
                 continue
-            if not self._free:
-                _, slot = self._slots.popitem(last=False)
-                self._free.append(slot)
-            slot = self._free.pop()
-            self._slots[block_hash] = slot
+            slot = self._blocks.take(block_hash)
             reading = self._reading.pop(slot, None)
             if reading is not None and self._store_stream is not None:
                 self._store_stream.wait_event(reading)
@@ -137,25 +168,57 @@ class HostMemoryTier(OffloadBackend):
             event.record(self._store_stream)
             self._storing.update(dict.fromkeys((block_id for _, block_id in copies), event))
 
-    def load(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> Transfer:
-        slots = []
+    def contains_state(self, block_hash: BlockHash) -> bool:
+        return self._states.touch(block_hash)
+
+    def store_states(self, checkpoints: list[tuple[BlockHash, int]], cache: KVCache) -> None:
+        copies = []
+        for block_hash, device_slot in checkpoints:
+            if self._states.touch(block_hash):
+                continue
+            slot = self._states.take(block_hash)
+            reading = self._reading_states.pop(slot, None)
+            if reading is not None and self._store_stream is not None:
+                self._store_stream.wait_event(reading)
+            copies.append((slot, device_slot))
+        if not copies:
+            return
+        with self._on(self._store_stream):
+            for slot, device_slot in copies:
+                for name, arena in self.state_arenas.items():
+                    arena[slot].copy_(cache[name][:, device_slot], non_blocking=True)
+        if self._store_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._store_stream)
+            self._storing_slots.update(dict.fromkeys((s for _, s in copies), event))
+
+    def load(
+        self,
+        blocks: list[tuple[BlockHash, int]],
+        cache: KVCache,
+        states: list[tuple[BlockHash, int]] = (),
+    ) -> Transfer:
+        slots, state_slots = [], []
         for block_hash, block_id in blocks:
-            slots.append(self._slots[block_hash])
-            self._slots.move_to_end(block_hash)
+            slots.append(self._blocks.get(block_hash))
             # The target block's old contents may still be on their way out to the tier.
-            storing = self._storing.pop(block_id, None)
-            if storing is not None and self._load_stream is not None:
-                self._load_stream.wait_event(storing)
+            self._after(self._load_stream, self._storing.pop(block_id, None))
+        for block_hash, device_slot in states:
+            state_slots.append(self._states.get(block_hash))
+            self._after(self._load_stream, self._storing_slots.pop(device_slot, None))
         with self._on(self._load_stream):
             for slot, (_, block_id) in zip(slots, blocks, strict=True):
                 for name, arena in self.arenas.items():
                     cache[name][:, block_id].copy_(arena[slot], non_blocking=True)
+            for slot, (_, device_slot) in zip(state_slots, states, strict=True):
+                for name, arena in self.state_arenas.items():
+                    cache[name][:, device_slot].copy_(arena[slot], non_blocking=True)
         if self._load_stream is None:
             return Transfer()
         event = torch.cuda.Event()
         event.record(self._load_stream)
-        for slot in slots:
-            self._reading[slot] = event
+        self._reading.update(dict.fromkeys(slots, event))
+        self._reading_states.update(dict.fromkeys(state_slots, event))
         return Transfer(event)
 
     def ready(self, transfer: Transfer) -> bool:
@@ -166,19 +229,23 @@ class HostMemoryTier(OffloadBackend):
             torch.cuda.current_stream(self._device).wait_event(transfer.event)
 
     def evict(self, block_hash: BlockHash) -> None:
-        slot = self._slots.pop(block_hash, None)
-        if slot is not None:
-            self._free.append(slot)
+        self._blocks.drop(block_hash)
 
-    def before_step(self, reused_blocks: list[int]) -> None:
+    def before_step(self, reused_blocks: list[int], reused_slots: list[int] = ()) -> None:
         if self._store_stream is None:
             return
         main = torch.cuda.current_stream(self._device)
         waits = {id(e): e for b in reused_blocks if (e := self._storing.pop(b, None)) is not None}
+        waits |= {id(e): e for s in reused_slots if (e := self._storing_slots.pop(s, None))}
         for event in waits.values():
             main.wait_event(event)
         if len(self._storing) > 4 * self.capacity:  # forget stores that have landed
             self._storing = {b: e for b, e in self._storing.items() if not e.query()}
+
+    @staticmethod
+    def _after(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
 
     def _on(self, stream: torch.cuda.Stream | None):
         """Run copies on `stream` after the GPU work queued so far (at once on the CPU)."""
@@ -186,3 +253,38 @@ class HostMemoryTier(OffloadBackend):
             return contextlib.nullcontext()
         stream.wait_stream(torch.cuda.current_stream(self._device))
         return torch.cuda.stream(stream)
+
+
+class _Pool:
+    """Host slots by key, least recently used first, evicted when full."""
+
+    def __init__(self, capacity: int) -> None:
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def touch(self, key: BlockHash) -> bool:
+        if key not in self._slots:
+            return False
+        self._slots.move_to_end(key)
+        return True
+
+    def get(self, key: BlockHash) -> int:
+        self._slots.move_to_end(key)
+        return self._slots[key]
+
+    def drop(self, key: BlockHash) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def take(self, key: BlockHash) -> int:
+        """A slot for `key`, the least recently used one's if none is free."""
+        if not self._free:
+            _, slot = self._slots.popitem(last=False)
+            self._free.append(slot)
+        slot = self._free.pop()
+        self._slots[key] = slot
+        return slot

@@ -38,6 +38,10 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.slot: int | None = None  # its state slot while running (recurrent layers)
+        # Recurrent layers, after a prefix hit: the checkpoint slot its first chunk starts
+        # from, and (key, slot) of a checkpoint brought back from the host tier for it.
+        self.state_source: int | None = None
+        self.loaded_checkpoint: tuple[bytes, int] | None = None
         self.num_pending = 0  # sampled tokens not yet on the host (trailing PENDING ids)
         self.restore: Any = None  # its blocks' copy from the host tier, while in flight
         self.block_hashes: list[bytes] = []

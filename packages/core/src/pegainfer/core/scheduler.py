@@ -48,13 +48,30 @@ class ScheduledChunk:
 class SchedulerStep:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    #: Requests admitted with blocks to copy back from the host tier: (prefix hash, device
-    #: block) pairs each. They compute in a later step, once the copies have landed.
-    restores: list[tuple[Request, list[tuple[bytes, int]]]] = field(default_factory=list)
+    #: Requests admitted with blocks (and, for recurrent models, a state checkpoint) to copy
+    #: back from the host tier: (prefix hash, device block) and (prefix hash, checkpoint slot)
+    #: pairs. They compute in a later step, once the copies have landed.
+    restores: list[tuple[Request, list[tuple[bytes, int]], list[tuple[bytes, int]]]] = field(
+        default_factory=list
+    )
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass
+class _PrefixHit:
+    """What an admitted request reuses: cached device blocks, then the host tier's blocks
+    (their hashes, and the fresh device blocks they are copied into); for recurrent models, the
+    checkpoint slot its state restarts from and, when that checkpoint comes from the host tier,
+    (its key, the slot) to copy it into."""
+
+    blocks: list[int] = field(default_factory=list)
+    host: list[bytes] = field(default_factory=list)
+    host_blocks: list[int] = field(default_factory=list)
+    restore_from: int | None = None
+    state_load: tuple[bytes, int] | None = None
 
 
 @dataclass
@@ -86,6 +103,7 @@ class Scheduler:
         # The host tier: sealed blocks are stored there, prefixes that left the device come back.
         self.offload = offload
         self.pending_stores: list[tuple[bytes, int]] = []
+        self.pending_state_stores: list[tuple[bytes, int]] = []
         self.checkpoints: StateCheckpoints | None = None
         if config.num_state_checkpoints and block_manager.enable_prefix_caching:
             self.checkpoints = StateCheckpoints(config.num_state_checkpoints, config.max_num_seqs)
@@ -145,20 +163,23 @@ class Scheduler:
             request = self.waiting[0]
             if self._prefill_in_flight_covers(request):
                 break  # next step its prompt blocks are cached: it computes only the rest
-            hit, restore_from = self._match_prefix(request)
-            self.blocks.acquire(hit)
-            restores = self._restore_from_host(request, len(hit))
-            request.block_ids = [*hit, *(block for _, block in restores)]
+            hit = self._match_prefix(request)  # its blocks are held from here on
+            restores = list(zip(hit.host, hit.host_blocks, strict=True))
+            request.block_ids = [*hit.blocks, *hit.host_blocks]
             request.num_sealed_blocks = len(request.block_ids)
             request.num_computed_tokens = len(request.block_ids) * self.block_size
             num_new = self._chunk_size(request, budget)
             if num_new == 0 or not self._allocate(request, num_new):
                 self.blocks.release(request.block_ids)
+                if hit.state_load is not None:
+                    self.checkpoints.cancel(*hit.state_load)
                 self._reset(request)
                 break
             self.waiting.popleft()
             for block_hash, block in restores:
                 self.blocks.seal(block, block_hash)
+            request.state_source = hit.restore_from
+            request.loaded_checkpoint = hit.state_load
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
                 request.first_scheduled_time = time.time()
@@ -168,12 +189,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
-            if restores:  # it waits for its blocks while the others run
-                step.restores.append((request, restores))
+            if restores or hit.state_load:  # it waits for its copies while the others run
+                states = [hit.state_load] if hit.state_load else []
+                step.restores.append((request, restores, states))
                 continue
-            chunk = self._chunk(request, num_new)
-            chunk.restore_from = restore_from
-            step.chunks.append(chunk)
+            step.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return step
 
@@ -187,9 +207,13 @@ class Scheduler:
         pending token, so the next step can be scheduled before the ids reach the host."""
         for chunk in step.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+            if chunk.restore_from is not None:
+                self._publish_loaded_checkpoint(chunk.request)
             if chunk.snapshot is not None and self.checkpoints is not None:
                 _, slot, block_hash = chunk.snapshot
                 self.checkpoints.publish(block_hash, slot)
+                if self.offload is not None:
+                    self.pending_state_stores.append((block_hash, slot))
             if chunk.samples:
                 chunk.request.reserve_token()
 
@@ -224,6 +248,7 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         chunk = ScheduledChunk(request, num_new, start + num_new == request.num_tokens)
+        chunk.restore_from, request.state_source = request.state_source, None
         if self.checkpoints is not None:
             # Checkpoint the state where the last full block before the final token ends: the
             # longest prefix a later prompt (the next turn of a chat) can reuse.
@@ -254,36 +279,68 @@ class Scheduler:
                 return True
         return False
 
-    def _match_prefix(self, request: Request) -> tuple[list[int], int | None]:
-        """The cached blocks the request reuses, and for recurrent models the checkpoint its
-        state restarts from (the hit is cut back to the longest checkpointed prefix)."""
+    def _match_prefix(self, request: Request) -> _PrefixHit:
+        """The cached blocks the request reuses, acquired: on the device, then in the host tier
+        (fresh device blocks to copy them into). For recurrent models the reused prefix must
+        end where a state checkpoint exists (on the device, or in the host tier: a device slot
+        is then reserved to bring it back)."""
         self.blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
         if request.prompt_logprobs is not None:  # every prompt position's logits are needed
-            return [], None
+            return _PrefixHit()
         # Leave at least one token to compute: its logits give the next token.
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hit = self.blocks.match_prefix(request.block_hashes, max_blocks)
-        if self.checkpoints is None or not hit:
-            return hit, None
-        found = self.checkpoints.lookup(request.block_hashes, len(hit))
-        if found is None:
-            return [], None
-        blocks, slot = found
-        return hit[:blocks], slot
+        hashes = request.block_hashes
+        device = self.blocks.match_prefix(hashes, max_blocks)
+        host: list[bytes] = []
+        slot: int | None = None
+        state_load: tuple[bytes, int] | None = None
+        if self.offload is not None:
+            for block_hash in hashes[len(device) : max_blocks]:
+                if not self.offload.contains(block_hash):
+                    break
+                host.append(block_hash)
+        if self.checkpoints is not None:
+            for blocks in range(len(device) + len(host), 0, -1):
+                key = hashes[blocks - 1]
+                slot, state_load = self.checkpoints.get(key), None
+                if slot is None and self.offload is not None and self.offload.contains_state(key):
+                    slot = self.checkpoints.reserve(key)
+                    state_load = None if slot is None else (key, slot)
+                if slot is not None:
+                    device, host = device[:blocks], host[: max(blocks - len(device), 0)]
+                    break
+            else:
+                return _PrefixHit()
+        # Taken before allocating, which may evict unreferenced cached blocks.
+        self.blocks.acquire(device)
+        host_blocks = self.blocks.allocate(len(host)) if host else []
+        if host_blocks is None:  # the pool is short: no restore from the host tier
+            if self.checkpoints is None:
+                return _PrefixHit(device)
+            # A device-only hit might not end at a checkpoint: compute it all.
+            self.blocks.release(device)
+            if state_load is not None:
+                self.checkpoints.cancel(*state_load)
+            return _PrefixHit()
+        if self.checkpoints is None:
+            return _PrefixHit(device, host, host_blocks)
+        return _PrefixHit(device, host, host_blocks, slot, state_load)
 
-    def _restore_from_host(self, request: Request, device_hit: int) -> list[tuple[bytes, int]]:
-        """The blocks after the device hit that the host tier holds, each with a fresh device
-        block to copy it into (none if the pool is short)."""
-        if self.offload is None or request.prompt_logprobs is not None:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        found = []
-        for block_hash in request.block_hashes[device_hit:max_blocks]:
-            if not self.offload.contains(block_hash):
-                break
-            found.append(block_hash)
-        blocks = self.blocks.allocate(len(found)) if found else None
-        return list(zip(found, blocks, strict=True)) if blocks else []
+    def take_pending_state_stores(self) -> list[tuple[bytes, int]]:
+        """Checkpoints published by the step just launched, for the host tier (stored after
+        that step, before a later step writes their slots)."""
+        stores, self.pending_state_stores = self.pending_state_stores, []
+        return stores
+
+    def take_reused_checkpoint_slots(self) -> list[int]:
+        return [] if self.checkpoints is None else self.checkpoints.take_handed_out()
+
+    def _publish_loaded_checkpoint(self, request: Request) -> None:
+        """A checkpoint brought back from the host tier for this request is in its slot (or
+        will be before any later GPU work): other prompts may restore from it too."""
+        if request.loaded_checkpoint is not None:
+            self.checkpoints.publish(*request.loaded_checkpoint)
+            request.loaded_checkpoint = None
 
     def take_pending_stores(self) -> list[tuple[bytes, int]]:
         """Blocks sealed since the last call, for the host tier (a full block is stored once
@@ -326,6 +383,8 @@ class Scheduler:
         if request.restore is not None:
             self.offload.wait(request.restore)
             request.restore = None
+        self._publish_loaded_checkpoint(request)
+        request.state_source = None
 
     def _preempt(self, request: Request) -> None:
         self._settle_restore(request)

@@ -22,6 +22,7 @@ class StateCheckpoints:
         self._free = list(range(first_slot + capacity - 1, first_slot - 1, -1))
         self._published: OrderedDict[bytes, int] = OrderedDict()  # oldest use first
         self._pending: set[bytes] = set()
+        self._handed_out: list[int] = []  # slots reserved since the last take_handed_out()
 
     def __len__(self) -> int:
         return len(self._published)
@@ -36,6 +37,13 @@ class StateCheckpoints:
                 return blocks, slot
         return None
 
+    def get(self, block_hash: bytes) -> int | None:
+        """The slot of the checkpoint that follows exactly this block, if published."""
+        slot = self._published.get(block_hash)
+        if slot is not None:
+            self._published.move_to_end(block_hash)
+        return slot
+
     def reserve(self, block_hash: bytes) -> int | None:
         """A slot to write the checkpoint that follows `block_hash` into, evicting the least
         recently used checkpoint if none is free; None if it exists or is being written."""
@@ -45,7 +53,20 @@ class StateCheckpoints:
             _, slot = self._published.popitem(last=False)
             self._free.append(slot)
         self._pending.add(block_hash)
-        return self._free.pop()
+        slot = self._free.pop()
+        self._handed_out.append(slot)
+        return slot
+
+    def cancel(self, block_hash: bytes, slot: int) -> None:
+        """A reservation that will not be written after all."""
+        self._pending.discard(block_hash)
+        self._free.append(slot)
+
+    def take_handed_out(self) -> list[int]:
+        """Slots reserved since the last call: their old contents may still be read (a copy to
+        the host tier) when a step writes them."""
+        slots, self._handed_out = self._handed_out, []
+        return slots
 
     def publish(self, block_hash: bytes, slot: int) -> None:
         """The step that wrote `slot` ran: later prompts may restore from it."""
