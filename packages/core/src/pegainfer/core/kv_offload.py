@@ -148,49 +148,45 @@ class HostMemoryTier(OffloadBackend):
         return self._blocks.touch(block_hash)
 
     def store(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> None:
-        copies = []
-        for block_hash, block_id in blocks:
-            if self._blocks.touch(block_hash):
-                continue
-            slot = self._blocks.take(block_hash)
-            reading = self._reading.pop(slot, None)
-            if reading is not None and self._store_stream is not None:
-                self._store_stream.wait_event(reading)
-            copies.append((slot, block_id))
-        if not copies:
-            return
-        with self._on(self._store_stream):
-            for slot, block_id in copies:
-                for name, arena in self.arenas.items():
-                    arena[slot].copy_(cache[name][:, block_id], non_blocking=True)
-        if self._store_stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._store_stream)
-            self._storing.update(dict.fromkeys((block_id for _, block_id in copies), event))
+        self._store(self._blocks, self.arenas, self._reading, self._storing, blocks, cache)
 
     def contains_state(self, block_hash: BlockHash) -> bool:
         return self._states.touch(block_hash)
 
     def store_states(self, checkpoints: list[tuple[BlockHash, int]], cache: KVCache) -> None:
+        self._store(self._states, self.state_arenas, self._reading_states, self._storing_slots,
+                    checkpoints, cache)  # fmt: skip
+
+    def _store(
+        self,
+        pool: _Pool,
+        host: dict[str, torch.Tensor],
+        reading: dict[int, torch.cuda.Event],
+        storing: dict[int, torch.cuda.Event],
+        entries: list[tuple[BlockHash, int]],
+        cache: KVCache,
+    ) -> None:
+        """Copy device entries (a block, or a state slot, of every arena in `host`) into the
+        pool's slots under their keys, after the GPU work queued so far. A host slot still
+        read by a load is overwritten only after it; `storing` remembers, per device index,
+        the copy that still reads it."""
         copies = []
-        for block_hash, device_slot in checkpoints:
-            if self._states.touch(block_hash):
+        for key, index in entries:
+            if pool.touch(key):
                 continue
-            slot = self._states.take(block_hash)
-            reading = self._reading_states.pop(slot, None)
-            if reading is not None and self._store_stream is not None:
-                self._store_stream.wait_event(reading)
-            copies.append((slot, device_slot))
+            slot = pool.take(key)
+            self._after(self._store_stream, reading.pop(slot, None))
+            copies.append((slot, index))
         if not copies:
             return
         with self._on(self._store_stream):
-            for slot, device_slot in copies:
-                for name, arena in self.state_arenas.items():
-                    arena[slot].copy_(cache[name][:, device_slot], non_blocking=True)
+            for slot, index in copies:
+                for name, arena in host.items():
+                    arena[slot].copy_(cache[name][:, index], non_blocking=True)
         if self._store_stream is not None:
             event = torch.cuda.Event()
             event.record(self._store_stream)
-            self._storing_slots.update(dict.fromkeys((s for _, s in copies), event))
+            storing.update(dict.fromkeys((index for _, index in copies), event))
 
     def load(
         self,
