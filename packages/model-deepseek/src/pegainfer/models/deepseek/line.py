@@ -1,0 +1,26 @@
+"""The DeepSeek line: claims `model_type: deepseek_v2` checkpoints (DeepSeek-V2, V2-Lite)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.weights import build_and_load
+from pegainfer.models.deepseek.config import DeepseekConfig
+
+
+class DeepseekLine(ModelLine):
+    name = "deepseek"
+    unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
+
+    def probe(self, config: dict[str, Any]) -> Probe:
+        model_type = config.get("model_type")
+        if model_type == "deepseek_v2":
+            return Probe.claim()
+        return Probe.reject(f"model_type is {model_type!r}, not 'deepseek_v2'")
+
+    def build_model(self, ctx: ModelContext) -> Model:
+        from pegainfer.models.deepseek.model import DeepseekV2ForCausalLM
+
+        cfg = DeepseekConfig.from_dict(ctx.config)
+        return build_and_load(lambda: DeepseekV2ForCausalLM(cfg), ctx)
