@@ -56,3 +56,14 @@ def test_routing_is_not_degenerate(models):
     x = ours.embed_tokens[random_tokens(64, 1, VOCAB)]
     _, chosen = ops.route(x, layer.gate, 2, "greedy", 1, 1, 1.0)
     assert len(chosen.unique()) >= 6
+
+
+def test_the_tiny_writers_checkpoint_is_the_published_layout(tmp_path):
+    """transformers reads what `pegainfer-tiny deepseek` writes (rope_scaling and rope_theta
+    as the published config has them, experts one by one) into the logits we compute."""
+    from pegainfer.models.deepseek.line import DeepseekLine
+
+    DeepseekLine().write_tiny_checkpoint(tmp_path, seed=2)
+    ours, hf = load_ours(tmp_path), load_hf(tmp_path)
+    tokens = random_tokens(33, 9, 200)
+    assert_close(PagedRunner(ours).step({"a": tokens})["a"], hf_logits(hf, tokens))

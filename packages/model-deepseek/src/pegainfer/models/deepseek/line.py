@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
@@ -24,3 +25,10 @@ class DeepseekLine(ModelLine):
 
         cfg = DeepseekConfig.from_dict(ctx.config)
         return build_and_load(lambda: DeepseekV2ForCausalLM(cfg), ctx)
+
+    def write_tiny_checkpoint(
+        self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+    ) -> None:
+        from pegainfer.models.deepseek.tiny import write_tiny_deepseek
+
+        write_tiny_deepseek(out_dir, seed=seed, num_shards=num_shards, **overrides)

@@ -1,0 +1,135 @@
+"""Tiny random DeepSeek-V2 checkpoints in the real layout (per-expert tensors, V2-Lite's
+structure: no q-LoRA, a dense first layer, routed and shared experts, YaRN), with a working
+byte-level BPE tokenizer and a plain chat template. For tests and tryouts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from pegainfer.core.tiny import save_sharded
+from pegainfer.core.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.models.deepseek.config import DeepseekConfig
+
+SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message.role == 'user' %}User: "
+    "{{ message.content }}\n\n{% elif message.role == 'assistant' %}Assistant: "
+    "{{ message.content }}{{ eos_token }}{% else %}{{ message.content }}\n\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        "tie_word_embeddings": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+
+
+def random_weights(cfg: DeepseekConfig, seed: int, std: float = 0.1) -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors, experts one by one; norms away from 1, a spread router."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale + mean
+
+    def mlp(prefix: str, inter: int) -> dict[str, torch.Tensor]:
+        return {prefix + "gate_proj.weight": normal(inter, h), prefix + "up_proj.weight":
+                normal(inter, h), prefix + "down_proj.weight": normal(h, inter)}  # fmt: skip
+
+    h, heads = cfg.hidden_size, cfg.num_heads
+    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, h, scale=0.3)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        tensors |= {
+            p + "input_layernorm.weight": normal(h, mean=1.0),
+            p + "post_attention_layernorm.weight": normal(h, mean=1.0),
+            p + "self_attn.q_proj.weight": normal(heads * cfg.qk_head_dim, h),
+            p + "self_attn.kv_a_proj_with_mqa.weight": normal(
+                cfg.kv_lora_rank + cfg.qk_rope_head_dim, h
+            ),
+            p + "self_attn.kv_a_layernorm.weight": normal(cfg.kv_lora_rank, mean=1.0),
+            p + "self_attn.kv_b_proj.weight": normal(
+                heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
+            ),
+            p + "self_attn.o_proj.weight": normal(h, heads * cfg.v_head_dim),
+        }
+        if cfg.is_moe(layer):
+            tensors[p + "mlp.gate.weight"] = normal(cfg.num_experts, h, scale=1.0)
+            for e in range(cfg.num_experts):
+                tensors |= mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
+            shared = cfg.moe_intermediate_size * cfg.num_shared_experts
+            tensors |= mlp(f"{p}mlp.shared_experts.", shared)
+        else:
+            tensors |= mlp(f"{p}mlp.", cfg.intermediate_size)
+    tensors["model.norm.weight"] = normal(h, mean=1.0)
+    tensors["lm_head.weight"] = normal(cfg.vocab_size, h, scale=0.3)
+    return tensors
+
+
+def write_tiny_deepseek(
+    out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+) -> None:
+    """Write the checkpoint; `overrides` replace config.json fields."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_tiny_tokenizer(
+        out_dir,
+        special_tokens=SPECIAL_TOKENS,
+        eos_token=SPECIAL_TOKENS[1],
+        pad_token=SPECIAL_TOKENS[1],
+        chat_template=CHAT_TEMPLATE,
+    )
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    bos, eos = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
+    vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64
+    config = default_config(vocab_size, bos=bos, eos=eos) | overrides
+    tensors = random_weights(DeepseekConfig.from_dict(config), seed)
+    dtype = getattr(torch, config["torch_dtype"])
+    save_sharded({n: t.to(dtype).contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
