@@ -2,10 +2,11 @@
 (the first `first_k_dense_replace` layers) or routed plus shared experts.
 
 The torch reference path, following transformers' `DeepseekV2ForCausalLM` op for op: each
-cached token holds its normalised KV latent and its roped shared key (`kv_lora_rank` +
-`qk_rope_head_dim` values per layer, a single arena), and attention expands them per head
-(`ops.mla_attention`). Experts keep their own fused gate/up matrices, as checkpoints store
-them per expert.
+cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per layer)
+and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA kernels read;
+prefill expands them per head, decode absorbs the up-projections instead
+(`ops.mla_attention`). Experts keep their own fused gate/up matrices, as checkpoints store them
+per expert.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ class LatentAttention(nn.Module):
         self.o_proj = _param(h, heads * cfg.v_head_dim)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, latent: torch.Tensor, rope: ops.InterleavedRope
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        ckv: torch.Tensor,
+        kpe: torch.Tensor,
+        rope: ops.InterleavedRope,
     ) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
         if cfg.q_lora_rank is None:
@@ -66,11 +72,10 @@ class LatentAttention(nn.Module):
         c = rms_norm.rms_norm(c, self.kv_a_layernorm, _LATENT_NORM_EPS)
         q_pe = rope.apply(q_pe, batch.positions)
         k_pe = rope.apply(k_pe[:, None], batch.positions)[:, 0]
-        ops.write_latent(latent, torch.cat((c, k_pe), dim=-1), batch)
+        ops.write_latent(ckv, kpe, c, k_pe, batch)
         out = ops.mla_attention(
-            q_nope, q_pe, latent, self.kv_b_proj, batch, cfg.kv_lora_rank, cfg.v_head_dim,
-            cfg.softmax_scale,
-        )  # fmt: skip
+            q_nope, q_pe, ckv, kpe, self.kv_b_proj, batch, cfg.v_head_dim, cfg.softmax_scale
+        )
         return F.linear(out.reshape(tokens, -1), self.o_proj)
 
 
@@ -135,9 +140,11 @@ class DeepseekV2ForCausalLM(Model):
         return self.cfg.max_position_embeddings
 
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
-        cfg = self.cfg
-        entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        return [ArenaSpec("latent", cfg.num_layers, (block_size, entry), self.embed_tokens.dtype)]
+        cfg, dtype = self.cfg, self.embed_tokens.dtype
+        return [
+            ArenaSpec("ckv", cfg.num_layers, (block_size, cfg.kv_lora_rank), dtype),
+            ArenaSpec("kpe", cfg.num_layers, (block_size, cfg.qk_rope_head_dim), dtype),
+        ]
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         device = self.embed_tokens.device
@@ -170,12 +177,12 @@ class DeepseekV2ForCausalLM(Model):
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         rope, cfg = self.rope, self.cfg
         assert rope is not None, "init_runtime() must run before the first step"
-        latent, eps = kv_cache["latent"], cfg.rms_norm_eps
+        ckv, kpe, eps = kv_cache["ckv"], kv_cache["kpe"], cfg.rms_norm_eps
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = rms_norm.add_rms_norm(hidden, residual, layer.input_layernorm, eps)
-            hidden = layer.self_attn(x, batch, latent[index], rope)
+            hidden = layer.self_attn(x, batch, ckv[index], kpe[index], rope)
             x, residual = rms_norm.add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, eps
             )
