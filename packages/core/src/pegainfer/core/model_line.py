@@ -8,11 +8,13 @@ arrive through the plugin manager (`plugins.py`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pegainfer.core.parallel import ParallelGroup
 
 if TYPE_CHECKING:
     from pegainfer.core.forward_batch import ForwardBatch
@@ -38,12 +40,14 @@ class Probe:
 
 @dataclass(frozen=True)
 class ModelContext:
-    """What a line needs to build its model."""
+    """What a line needs to build its model; `parallel` is this process's tensor-parallel
+    rank (the default: one process holding every weight)."""
 
     model_dir: Path
     config: dict[str, Any]
     dtype: torch.dtype
     device: torch.device
+    parallel: ParallelGroup = field(default_factory=ParallelGroup)
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,22 @@ INDEX_FILE = "model.safetensors.index.json"
 @dataclass(frozen=True)
 class WeightTarget:
     """Where a checkpoint tensor goes: the whole of `param`, or `num_rows` rows of it
-    starting at `row_offset` (one shard of a fused matrix)."""
+    starting at `row_offset` (one shard of a fused matrix). With tensor parallelism a rank
+    keeps only `rows` or `cols` ([start, end)) of the checkpoint tensor."""
 
     param: str
     row_offset: int = 0
     num_rows: int | None = None
+    rows: tuple[int, int] | None = None
+    cols: tuple[int, int] | None = None
+
+    def select(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of the checkpoint tensor this rank keeps (a view)."""
+        if self.rows is not None:
+            tensor = tensor[self.rows[0] : self.rows[1]]
+        if self.cols is not None:
+            tensor = tensor[:, self.cols[0] : self.cols[1]]
+        return tensor
 
 
 NameMap = Callable[[str], WeightTarget | None]
@@ -99,6 +110,7 @@ def load_weights(
                 raise WeightLoadError(
                     f"checkpoint tensor {name!r} maps to unknown parameter {target.param!r}"
                 )
+            tensor = target.select(tensor)
             region = param
             if target.num_rows is not None:
                 region = param[target.row_offset : target.row_offset + target.num_rows]

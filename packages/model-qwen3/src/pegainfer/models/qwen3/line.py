@@ -26,7 +26,7 @@ class Qwen3Line(ModelLine):
         from pegainfer.models.qwen3.model import Qwen3ForCausalLM
 
         cfg = Qwen3Config.from_dict(ctx.config)
-        return build_and_load(lambda: Qwen3ForCausalLM(cfg), ctx)
+        return build_and_load(lambda: Qwen3ForCausalLM(cfg, ctx.parallel), ctx)
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any

@@ -4,10 +4,16 @@ Two sets of ops compute the same function: plain torch ops (the reference and th
 following transformers' `Qwen3ForCausalLM` op for op, casts included) and, on CUDA, fused
 Triton kernels plus FlashInfer attention. Parameters are fused where the GPU path wants them
 fused: q/k/v in one matrix, gate/up in one.
+
+Under tensor parallelism (`core.parallel`) each rank holds its share of the attention heads,
+KV heads and MLP width (column-parallel q/k/v and gate/up, row-parallel o and down, whose
+outputs are summed over the ranks) and of the vocabulary (embedding and LM head); `cfg` is the
+rank's own shape, `full_cfg` the checkpoint's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.core import parallel
 from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attention
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.model_line import Model, RuntimeConfig
@@ -48,9 +56,10 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Qwen3Layer(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, group: parallel.ParallelGroup) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group = group
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_layernorm = _param(cfg.hidden_size)
         self.qkv_proj = _param(q_size + 2 * kv_size, cfg.hidden_size)
@@ -89,29 +98,40 @@ class Qwen3Layer(nn.Module):
             k = rope.apply(k, batch.positions)
             write_kv(kv_layer, k, v.view(tokens, cfg.num_kv_heads, cfg.head_dim), batch)
         out = attn.run(q, kv_layer)
-        return F.linear(out.reshape(tokens, -1), self.o_proj)
+        return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
 
     def mlp(self, x: torch.Tensor, ops: _Ops) -> torch.Tensor:
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        h = ops.silu_and_mul(F.linear(x, self.gate_up_proj))
+        return parallel.row_parallel_linear(h, self.down_proj, self.group)
 
 
 class Qwen3ForCausalLM(Model):
     supports_cuda_graphs = True
 
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in range(cfg.num_layers))
+        self.group = group = group or parallel.ParallelGroup()
+        world = group.world_size
+        for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+            if getattr(cfg, name) % world:
+                raise ConfigError(f"{name} {getattr(cfg, name)} does not split over {world} ranks")
+        self.full_cfg = cfg
+        self.cfg = cfg = dataclasses.replace(
+            cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
+            intermediate_size=cfg.intermediate_size // world,
+        )  # fmt: skip
+        vocab_rows = cfg.vocab_size // world
+        self.embed_tokens = _param(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3Layer(cfg, group) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         self.rope: RotaryEmbedding | None = None
         self.attn: PagedAttention | None = None
         self.ops: _Ops | None = None
 
     @property
     def vocab_size(self) -> int:
-        return self.cfg.vocab_size
+        return self.full_cfg.vocab_size
 
     @property
     def max_position_embeddings(self) -> int:
@@ -141,26 +161,36 @@ class Qwen3ForCausalLM(Model):
         self.attn.plan_graph(batch, bucket)
 
     def checkpoint_name_map(self, name: str) -> WeightTarget | None:
-        """Map a Hugging Face checkpoint tensor name to our (fused) parameter."""
-        cfg = self.cfg
+        """Map a Hugging Face checkpoint tensor name to our (fused) parameter, and to the
+        rows or columns of it this rank keeps."""
+        cfg, rank = self.cfg, self.group.rank
+        vocab_rows = self.embed_tokens.shape[0]
+        vocab = (rank * vocab_rows, (rank + 1) * vocab_rows)
         if name == "lm_head.weight":
-            return None if cfg.tie_word_embeddings else WeightTarget("lm_head")
+            return None if cfg.tie_word_embeddings else WeightTarget("lm_head", rows=vocab)
         if not name.startswith("model.") or not name.endswith(".weight"):
             return WeightTarget(name)  # unknown: the loader reports it
         parts = name.removeprefix("model.").removesuffix(".weight").split(".")
         if parts[0] != "layers":
-            return WeightTarget(parts[0])
+            return WeightTarget(parts[0], rows=vocab if parts[0] == "embed_tokens" else None)
         layer = f"layers.{parts[1]}"
         leaf = parts[-1]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inter = cfg.intermediate_size
+
+        def mine(size: int) -> tuple[int, int]:  # this rank's part of a split dimension
+            return rank * size, (rank + 1) * size
+
         shards = {
-            "q_proj": WeightTarget(f"{layer}.qkv_proj", 0, q_size),
-            "k_proj": WeightTarget(f"{layer}.qkv_proj", q_size, kv_size),
-            "v_proj": WeightTarget(f"{layer}.qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": WeightTarget(f"{layer}.gate_up_proj", 0, inter),
-            "up_proj": WeightTarget(f"{layer}.gate_up_proj", inter, inter),
-        }
+            "q_proj": WeightTarget(f"{layer}.qkv_proj", 0, q_size, rows=mine(q_size)),
+            "k_proj": WeightTarget(f"{layer}.qkv_proj", q_size, kv_size, rows=mine(kv_size)),
+            "v_proj": WeightTarget(f"{layer}.qkv_proj", q_size + kv_size, kv_size,
+                                   rows=mine(kv_size)),
+            "o_proj": WeightTarget(f"{layer}.o_proj", cols=mine(q_size)),
+            "gate_proj": WeightTarget(f"{layer}.gate_up_proj", 0, inter, rows=mine(inter)),
+            "up_proj": WeightTarget(f"{layer}.gate_up_proj", inter, inter, rows=mine(inter)),
+            "down_proj": WeightTarget(f"{layer}.down_proj", cols=mine(inter)),
+        }  # fmt: skip
         return shards.get(leaf) or WeightTarget(f"{layer}.{leaf}")
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -168,7 +198,7 @@ class Qwen3ForCausalLM(Model):
         assert rope is not None and attn is not None and ops is not None
         eps = self.cfg.rms_norm_eps
         kv = kv_cache["kv"]
-        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        hidden = parallel.vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.group)
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm, eps)
@@ -180,4 +210,4 @@ class Qwen3ForCausalLM(Model):
             hidden[batch.logits_indices], residual[batch.logits_indices], self.norm, eps
         )
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return parallel.vocab_parallel_logits(x, head, self.group).float()

@@ -1,0 +1,61 @@
+"""Qwen3 split over two gloo ranks (heads, KV heads, MLP width and vocabulary halved, weights
+sliced from the checkpoint at load) computes the single-process logits (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pegainfer.core.errors import ConfigError
+from pegainfer.core.model_files import read_config
+from pegainfer.core.model_line import ModelContext, RuntimeConfig
+from pegainfer.core.parallel import ParallelGroup
+from pegainfer.models.qwen3.line import Qwen3Line
+from tests.core.test_parallel import free_port
+from tests.paged_runner import PagedRunner, random_tokens
+from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
+
+
+def steps(path: Path, group: ParallelGroup) -> list[torch.Tensor]:
+    """A prefill, two decodes beside a second prompt's chunks: every step's logits."""
+    ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"), group)
+    model = Qwen3Line().build_model(ctx)
+    model.init_runtime(RuntimeConfig(block_size=4, max_model_len=256))
+    a, b = random_tokens(19, 1, VOCAB), random_tokens(12, 2, VOCAB)
+    runner = PagedRunner(model)
+    logits = [runner.step({"a": a[:17]})["a"]]
+    logits.append(torch.cat(list(runner.step({"a": a[17:18], "b": b[:7]}).values())))
+    logits.append(torch.cat(list(runner.step({"a": a[18:19], "b": b[7:]}).values())))
+    return logits
+
+
+def _worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        logits = steps(Path(path), ParallelGroup(rank, world, dist.group.WORLD))
+        torch.save(logits, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_two_ranks_equal_one(tmp_path, tie):
+    path = write_hf_checkpoint(tmp_path / "ckpt", tie=tie)
+    expected = steps(path, ParallelGroup())
+    mp.spawn(_worker, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        for got, want in zip(torch.load(tmp_path / f"rank{rank}.pt"), expected, strict=True):
+            assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_a_shape_that_does_not_split_is_refused(tmp_path):
+    path = write_hf_checkpoint(tmp_path, tie=True)
+    ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"),
+                       ParallelGroup(0, 3))  # fmt: skip
+    with pytest.raises(ConfigError, match="does not split over 3 ranks"):
+        Qwen3Line().build_model(ctx)
