@@ -7,6 +7,8 @@ import torch
 
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import KVCache
+from pegainfer.core.model_files import read_config
+from pegainfer.core.model_line import Model, ModelContext, ModelLine, RuntimeConfig
 
 BLOCK = 4
 
@@ -60,6 +62,14 @@ class PagedRunner:
             out[name] = logits[row : row + len(chunk)]
             row += len(chunk)
         return out
+
+
+def load_model(line: ModelLine, path, block_size: int = BLOCK) -> Model:
+    """A line's model from a checkpoint, in float32 on the CPU, ready to step."""
+    ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"))
+    model = line.build_model(ctx)
+    model.init_runtime(RuntimeConfig(block_size=block_size, max_model_len=512))
+    return model
 
 
 # Checks of a line's forward against transformers (float32), shared by the model lines' tests.

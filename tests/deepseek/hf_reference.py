@@ -8,10 +8,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from pegainfer.core.model_files import read_config
-from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.models.deepseek.line import DeepseekLine
 from pegainfer.models.deepseek.model import DeepseekV2ForCausalLM
+from tests.paged_runner import load_model
 
 VOCAB = 300
 # V2-Lite's structure at a small size: no q-LoRA, a dense first layer, 2 of 8 routed experts
@@ -45,10 +44,8 @@ def write_hf_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
 
 
 def load_ours(path: Path, block_size: int = 4) -> DeepseekV2ForCausalLM:
-    ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"))
-    model = DeepseekLine().build_model(ctx)
+    model = load_model(DeepseekLine(), path, block_size)
     assert isinstance(model, DeepseekV2ForCausalLM)
-    model.init_runtime(RuntimeConfig(block_size=block_size, max_model_len=512))
     return model
 
 

@@ -7,10 +7,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from pegainfer.core.model_files import read_config
-from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.models.qwen3.line import Qwen3Line
 from pegainfer.models.qwen3.model import Qwen3ForCausalLM
+from tests.paged_runner import load_model
 
 VOCAB = 256
 
@@ -43,10 +42,8 @@ def write_hf_checkpoint(path: Path, *, tie: bool, seed: int = 0, layers: int = 2
 
 
 def load_ours(path: Path, block_size: int = 4) -> Qwen3ForCausalLM:
-    ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"))
-    model = Qwen3Line().build_model(ctx)
+    model = load_model(Qwen3Line(), path, block_size)
     assert isinstance(model, Qwen3ForCausalLM)
-    model.init_runtime(RuntimeConfig(block_size=block_size, max_model_len=512))
     return model
 
 

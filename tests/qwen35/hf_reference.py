@@ -7,10 +7,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from pegainfer.core.model_files import read_config
-from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.models.qwen35.line import Qwen35Line
 from pegainfer.models.qwen35.model import Qwen35ForCausalLM
+from tests.paged_runner import load_model
 
 VOCAB = 300
 TEXT = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
@@ -49,10 +48,8 @@ def write_hf_checkpoint(path: Path, *, tie: bool, seed: int = 0) -> Path:
 
 
 def load_ours(path: Path, block_size: int = 4) -> Qwen35ForCausalLM:
-    ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"))
-    model = Qwen35Line().build_model(ctx)
+    model = load_model(Qwen35Line(), path, block_size)
     assert isinstance(model, Qwen35ForCausalLM)
-    model.init_runtime(RuntimeConfig(block_size=block_size, max_model_len=512))
     return model
 
 
