@@ -47,7 +47,9 @@ class WeightTarget:
         return tensor
 
 
-NameMap = Callable[[str], WeightTarget | None]
+# A checkpoint tensor goes to one place, to several (parts of it into different rows, as a
+# tensor-parallel rank's share of a fused matrix can be), or nowhere (None).
+NameMap = Callable[[str], WeightTarget | list[WeightTarget] | None]
 M = TypeVar("M", bound=torch.nn.Module)
 
 
@@ -101,27 +103,37 @@ def load_weights(
     """Fill `params` from the checkpoint in `model_dir`, converting to each parameter's dtype."""
     written: dict[str, int] = dict.fromkeys(params, 0)
     with torch.no_grad():
-        for name, tensor in iter_tensors(checkpoint_files(model_dir), progress):
-            target = name_map(name)
-            if target is None:
-                continue
-            param = params.get(target.param)
-            if param is None:
-                raise WeightLoadError(
-                    f"checkpoint tensor {name!r} maps to unknown parameter {target.param!r}"
-                )
-            tensor = target.select(tensor)
-            region = param
-            if target.num_rows is not None:
-                region = param[target.row_offset : target.row_offset + target.num_rows]
-            if tuple(region.shape) != tuple(tensor.shape):
-                raise WeightLoadError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but parameter "
-                    f"{target.param!r} expects {tuple(region.shape)}"
-                )
-            region.copy_(tensor)
-            written[target.param] += region.shape[0] if region.dim() > 0 else 1
+        for name, full in iter_tensors(checkpoint_files(model_dir), progress):
+            targets = name_map(name)
+            for target in [targets] if isinstance(targets, WeightTarget) else targets or []:
+                _write(params, written, name, full, target)
     _check_complete(params, written, model_dir)
+
+
+def _write(
+    params: dict[str, torch.Tensor],
+    written: dict[str, int],
+    name: str,
+    full: torch.Tensor,
+    target: WeightTarget,
+) -> None:
+    """Copy the part of checkpoint tensor `name` that `target` selects into its parameter."""
+    param = params.get(target.param)
+    if param is None:
+        raise WeightLoadError(
+            f"checkpoint tensor {name!r} maps to unknown parameter {target.param!r}"
+        )
+    tensor = target.select(full)
+    region = param
+    if target.num_rows is not None:
+        region = param[target.row_offset : target.row_offset + target.num_rows]
+    if tuple(region.shape) != tuple(tensor.shape):
+        raise WeightLoadError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but parameter "
+            f"{target.param!r} expects {tuple(region.shape)}"
+        )
+    region.copy_(tensor)
+    written[target.param] += region.shape[0] if region.dim() > 0 else 1
 
 
 def _check_complete(

@@ -27,7 +27,7 @@ class Qwen35Line(ModelLine):
         from pegainfer.models.qwen35.model import Qwen35ForCausalLM
 
         cfg = Qwen35Config.from_dict(ctx.config)
-        return build_and_load(lambda: Qwen35ForCausalLM(cfg), ctx)
+        return build_and_load(lambda: Qwen35ForCausalLM(cfg, ctx.parallel), ctx)
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any

@@ -15,6 +15,7 @@ in one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.core import parallel
 from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attention
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
@@ -115,9 +117,10 @@ def _param(*shape: int) -> nn.Parameter:
 class GatedAttention(nn.Module):
     """GQA attention whose output is gated per channel by a second half of q_proj."""
 
-    def __init__(self, cfg: Qwen35Config) -> None:
+    def __init__(self, cfg: Qwen35Config, group: parallel.ParallelGroup) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group = group
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # [q_proj (per head: query | gate) | k_proj | v_proj]
         self.qkv_proj = _param(2 * q_size + 2 * kv_size, cfg.hidden_size)
@@ -146,15 +149,16 @@ class GatedAttention(nn.Module):
         write_kv(kv_layer, k, v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim), batch)
         out = attn.run(q.contiguous(), kv_layer).reshape(tokens, -1)
         out = out * torch.sigmoid(gate.reshape(tokens, -1))
-        return F.linear(out, self.o_proj)
+        return parallel.row_parallel_linear(out, self.o_proj, self.group)
 
 
 class GatedDeltaNet(nn.Module):
     """Linear attention with a delta-rule state, a causal conv before it and a gated norm after."""
 
-    def __init__(self, cfg: Qwen35Config) -> None:
+    def __init__(self, cfg: Qwen35Config, group: parallel.ParallelGroup) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group = group
         heads = cfg.linear_num_value_heads
         value_dim = heads * cfg.linear_value_head_dim
         # [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]
@@ -192,7 +196,7 @@ class GatedDeltaNet(nn.Module):
 
             out = self._kernels(proj, step, conv_states, recurrent_states)
             out = kernels.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
-        return F.linear(out.reshape(tokens, -1), self.out_proj)
+        return parallel.row_parallel_linear(out.reshape(tokens, -1), self.out_proj, self.group)
 
     def _kernels(
         self,
@@ -288,32 +292,43 @@ class GatedDeltaNet(nn.Module):
 
 
 class Qwen35Layer(nn.Module):
-    def __init__(self, cfg: Qwen35Config, kind: str) -> None:
+    def __init__(self, cfg: Qwen35Config, kind: str, group: parallel.ParallelGroup) -> None:
         super().__init__()
         self.kind = kind
+        self.group = group
         if kind == FULL:
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(cfg, group)
         else:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, group)
         self.input_layernorm = _param(cfg.hidden_size)
         self.post_attention_layernorm = _param(cfg.hidden_size)
         self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
 
     def mlp(self, x: torch.Tensor, ops: _Ops) -> torch.Tensor:
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        h = ops.silu_and_mul(F.linear(x, self.gate_up_proj))
+        return parallel.row_parallel_linear(h, self.down_proj, self.group)
 
 
 class Qwen35ForCausalLM(Model):
     supports_cuda_graphs = True
 
-    def __init__(self, cfg: Qwen35Config) -> None:
+    def __init__(self, cfg: Qwen35Config, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen35Layer(cfg, kind) for kind in cfg.layer_types)
+        self.group = group = group or parallel.ParallelGroup()
+        world = group.world_size
+        split = ("num_heads", "num_kv_heads", "linear_num_key_heads", "linear_num_value_heads",
+                 "intermediate_size")  # fmt: skip
+        for name in (*split, "vocab_size"):
+            if getattr(cfg, name) % world:
+                raise ConfigError(f"{name} {getattr(cfg, name)} does not split over {world} ranks")
+        self.full_cfg = cfg
+        self.cfg = cfg = dataclasses.replace(cfg, **{n: getattr(cfg, n) // world for n in split})
+        vocab_rows = cfg.vocab_size // world
+        self.embed_tokens = _param(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen35Layer(cfg, kind, group) for kind in cfg.layer_types)
         self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         # Where each layer's cache lives: its index among the full or the linear layers.
         self._cache_index = {i: n for layers in (cfg.full_layers, cfg.linear_layers)
                              for n, i in enumerate(layers)}  # fmt: skip
@@ -328,7 +343,7 @@ class Qwen35ForCausalLM(Model):
 
     @property
     def vocab_size(self) -> int:
-        return self.cfg.vocab_size
+        return self.full_cfg.vocab_size
 
     @property
     def max_position_embeddings(self) -> int:
@@ -399,41 +414,59 @@ class Qwen35ForCausalLM(Model):
             if snap_to:
                 arena[:, snap_to] = arena[:, snap_from]
 
-    def checkpoint_name_map(self, name: str) -> WeightTarget | None:
-        """Map a Hugging Face checkpoint tensor name to our parameter (None: not ours)."""
+    def checkpoint_name_map(self, name: str) -> WeightTarget | list[WeightTarget] | None:
+        """Map a Hugging Face checkpoint tensor name to our (fused) parameters, and to the
+        rows or columns of it this rank keeps (None: not ours)."""
         if name.startswith(_IGNORED):
             return None
+        cfg, rank = self.cfg, self.group.rank
+
+        def mine(size: int, start: int = 0) -> tuple[int, int]:
+            """This rank's part of a dimension split in rank-sized pieces after `start`."""
+            return start + rank * size, start + (rank + 1) * size
+
+        vocab = mine(self.embed_tokens.shape[0])
         if name == "lm_head.weight":
-            return None if self.cfg.tie_word_embeddings else WeightTarget("lm_head")
+            return None if cfg.tie_word_embeddings else WeightTarget("lm_head", rows=vocab)
         prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
         if prefix is None:
             return WeightTarget(name)  # unknown: the loader reports it
         path = name.removeprefix(prefix).removesuffix(".weight")
         module, _, leaf = path.rpartition(".")
-        shard = self._fused_rows.get(leaf)
-        if shard is not None and module.endswith(shard[0]):
-            fused, offset, rows = shard[1:]
-            return WeightTarget(f"{module.rsplit('.', 1)[0]}.{fused}", offset, rows)
-        return WeightTarget(path.replace("mlp.down_proj", "down_proj"))
-
-    @property
-    def _fused_rows(self) -> dict[str, tuple[str, str, int, int]]:
-        """Checkpoint leaf -> (its module, our fused parameter beside it, row offset, rows)."""
-        cfg = self.cfg
+        layer = module.rsplit(".", 1)[0]
         q, kv = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        inter, heads = cfg.intermediate_size, cfg.linear_num_value_heads
-        channels, value = cfg.conv_channels, heads * cfg.linear_value_head_dim
-        return {
-            "q_proj": ("self_attn", "self_attn.qkv_proj", 0, q),
-            "k_proj": ("self_attn", "self_attn.qkv_proj", q, kv),
-            "v_proj": ("self_attn", "self_attn.qkv_proj", q + kv, kv),
-            "in_proj_qkv": ("linear_attn", "linear_attn.in_proj", 0, channels),
-            "in_proj_z": ("linear_attn", "linear_attn.in_proj", channels, value),
-            "in_proj_b": ("linear_attn", "linear_attn.in_proj", channels + value, heads),
-            "in_proj_a": ("linear_attn", "linear_attn.in_proj", channels + value + heads, heads),
-            "gate_proj": ("mlp", "gate_up_proj", 0, inter),
-            "up_proj": ("mlp", "gate_up_proj", inter, inter),
+        key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        heads = cfg.linear_num_value_heads
+        value, inter = heads * cfg.linear_value_head_dim, cfg.intermediate_size
+        full_key = key * self.group.world_size  # where the checkpoint's k and v channels start
+        channels = cfg.conv_channels
+        fused = {
+            "q_proj": (f"{module}.qkv_proj", 0, q, mine(q)),
+            "k_proj": (f"{module}.qkv_proj", q, kv, mine(kv)),
+            "v_proj": (f"{module}.qkv_proj", q + kv, kv, mine(kv)),
+            "in_proj_z": (f"{module}.in_proj", channels, value, mine(value)),
+            "in_proj_b": (f"{module}.in_proj", channels + value, heads, mine(heads)),
+            "in_proj_a": (f"{module}.in_proj", channels + value + heads, heads, mine(heads)),
+            "gate_proj": (f"{layer}.gate_up_proj", 0, inter, mine(inter)),
+            "up_proj": (f"{layer}.gate_up_proj", inter, inter, mine(inter)),
         }
+        if leaf in fused:
+            param, offset, rows, part = fused[leaf]
+            return WeightTarget(param, offset, rows, rows=part)
+        if leaf in ("in_proj_qkv", "conv1d"):  # [q | k | v] channels, each split by heads
+            param = f"{module}.{'in_proj' if leaf == 'in_proj_qkv' else 'conv1d'}"
+            return [
+                WeightTarget(param, 0, key, rows=mine(key)),
+                WeightTarget(param, key, key, rows=mine(key, full_key)),
+                WeightTarget(param, 2 * key, value, rows=mine(value, 2 * full_key)),
+            ]
+        cols = {"o_proj": q // 2, "out_proj": value, "down_proj": inter}
+        if leaf in cols:
+            return WeightTarget(f"{layer}.down_proj" if leaf == "down_proj" else path,
+                                cols=mine(cols[leaf]))  # fmt: skip
+        if leaf in ("A_log", "dt_bias"):
+            return WeightTarget(path, rows=mine(heads))
+        return WeightTarget(path, rows=vocab if path == "embed_tokens" else None)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         rope, attn, ops_, cfg = self.rope, self.attn, self.ops, self.cfg
@@ -445,7 +478,7 @@ class Qwen35ForCausalLM(Model):
         if not self._replaying:
             self._start_states(batch, conv, recurrent)
         eps = cfg.rms_norm_eps
-        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        hidden = parallel.vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.group)
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = ops_.add_rms_norm(hidden, residual, layer.input_layernorm, eps, True)
@@ -462,4 +495,4 @@ class Qwen35ForCausalLM(Model):
         rows = batch.logits_indices
         x, _ = ops_.add_rms_norm(hidden[rows], residual[rows], self.norm, eps, True)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return parallel.vocab_parallel_logits(x, head, self.group).float()

@@ -1,5 +1,6 @@
-"""Qwen3 split over two gloo ranks (heads, KV heads, MLP width and vocabulary halved, weights
-sliced from the checkpoint at load) computes the single-process logits (float32)."""
+"""Qwen3 and Qwen3.5 split over two gloo ranks (heads, KV heads, DeltaNet heads, MLP width and
+vocabulary halved, weights sliced from the checkpoint at load) compute the single-process
+logits (float32)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,19 @@ from pegainfer.core.model_files import read_config
 from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.core.parallel import ParallelGroup
 from pegainfer.models.qwen3.line import Qwen3Line
+from pegainfer.models.qwen35.line import Qwen35Line
 from tests.core.test_parallel import free_port
 from tests.paged_runner import PagedRunner, random_tokens
 from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
+from tests.qwen35.hf_reference import write_hf_checkpoint as write_qwen35_checkpoint
+
+LINES = {"qwen3": Qwen3Line, "qwen35": Qwen35Line}
 
 
-def steps(path: Path, group: ParallelGroup) -> list[torch.Tensor]:
+def steps(line: str, path: Path, group: ParallelGroup) -> list[torch.Tensor]:
     """A prefill, two decodes beside a second prompt's chunks: every step's logits."""
     ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"), group)
-    model = Qwen3Line().build_model(ctx)
+    model = LINES[line]().build_model(ctx)
     model.init_runtime(RuntimeConfig(block_size=4, max_model_len=256))
     a, b = random_tokens(19, 1, VOCAB), random_tokens(12, 2, VOCAB)
     runner = PagedRunner(model)
@@ -33,21 +38,25 @@ def steps(path: Path, group: ParallelGroup) -> list[torch.Tensor]:
     return logits
 
 
-def _worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, line: str, path: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip
     try:
-        logits = steps(Path(path), ParallelGroup(rank, world, dist.group.WORLD))
+        logits = steps(line, Path(path), ParallelGroup(rank, world, dist.group.WORLD))
         torch.save(logits, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_two_ranks_equal_one(tmp_path, tie):
-    path = write_hf_checkpoint(tmp_path / "ckpt", tie=tie)
-    expected = steps(path, ParallelGroup())
-    mp.spawn(_worker, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize(
+    ("line", "tie"), [("qwen3", True), ("qwen3", False), ("qwen35", True), ("qwen35", False)]
+)
+def test_two_ranks_equal_one(tmp_path, line, tie):
+    write = write_hf_checkpoint if line == "qwen3" else write_qwen35_checkpoint
+    path = write(tmp_path / "ckpt", tie=tie)
+    expected = steps(line, path, ParallelGroup())
+    args = (2, free_port(), line, str(path), str(tmp_path))
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
     for rank in range(2):
         for got, want in zip(torch.load(tmp_path / f"rank{rank}.pt"), expected, strict=True):
             assert (got - want).abs().max().item() <= 1e-4
