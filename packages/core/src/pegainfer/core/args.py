@@ -87,6 +87,11 @@ class EngineArgs:
         "the host's work overlaps the GPU's (a request that stops costs one wasted row).",
         "--async-scheduling",
     )
+    tensor_parallel_size: int = _arg(
+        1,
+        "Processes (one per device) that each hold a share of the model's heads, MLP width and "
+        "vocabulary; the CPU (gloo) only for now.",
+    )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
 
     def validate(self) -> EngineArgs:
@@ -103,7 +108,8 @@ class EngineArgs:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                     "tensor_parallel_size"):  # fmt: skip
             positive(name)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"block_size must be a power of two up to 256, got {self.block_size}")

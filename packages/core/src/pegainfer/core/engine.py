@@ -30,11 +30,13 @@ from pegainfer.core.memory import plan_gpu_kv, profile_step_peak
 from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
+from pegainfer.core.parallel import ParallelGroup
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
 from pegainfer.core.sampler import ScoredTokens, sample_requests
 from pegainfer.core.scheduler import SchedulerConfig, SchedulerStep
 from pegainfer.core.structured_output import Grammars
+from pegainfer.core.tensor_parallel import CacheShape, TensorParallelRanks, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +135,14 @@ class EngineCore:
         logger.info(
             "Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype
         )
-        self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device))
+        self.ranks: TensorParallelRanks | None = None
+        group = ParallelGroup()
+        if args.tensor_parallel_size > 1:
+            self._check_tensor_parallel(args, device)
+            spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device))
+            self.ranks = TensorParallelRanks(args.tensor_parallel_size, spec)
+            group = self.ranks.group
+        self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device, group))
         self.model.eval()
 
         max_model_len = args.max_model_len or self.model.max_position_embeddings
@@ -150,7 +159,8 @@ class EngineCore:
         cuda = device.type == "cuda"
         use_graphs = cuda and not args.enforce_eager and self.model.supports_cuda_graphs
         buckets = graph_buckets(args.max_num_seqs) if use_graphs else ()
-        self.model.init_runtime(RuntimeConfig(args.block_size, max_model_len, buckets))
+        runtime = RuntimeConfig(args.block_size, max_model_len, buckets)
+        self.model.init_runtime(runtime)
         specs = self.model.kv_arenas(args.block_size)
         states = self.model.state_arenas()
         prefix_caching = args.enable_prefix_caching and line.supports_prefix_caching
@@ -176,6 +186,9 @@ class EngineCore:
         # On CUDA one more block than the block manager hands out: padding rows of graph
         # replays read and write it.
         self.kv_cache = KVCache(specs, num_blocks + int(cuda), device, states, num_slots)
+        if self.ranks is not None:
+            shape = CacheShape(runtime, args.block_size, num_blocks + int(cuda), num_slots)
+            self.ranks.share(shape)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)%s",
             num_blocks,
@@ -261,6 +274,23 @@ class EngineCore:
             tier.nbytes / _GIB,
         )
         return tier
+
+    @staticmethod
+    def _check_tensor_parallel(args: EngineArgs, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ConfigError(
+                "--tensor-parallel-size above 1 runs on the CPU (gloo) only for now: the NCCL "
+                "path is not verified on GPUs yet"
+            )
+        for flag in ("async_scheduling", "kv_offload"):
+            if getattr(args, flag):
+                raise ConfigError(f"--{flag.replace('_', '-')} does not work with tensor "
+                                  "parallelism yet")  # fmt: skip
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine is unusable afterwards)."""
+        if self.ranks is not None:
+            self.ranks.shutdown()
 
     def _default_num_blocks(
         self,
@@ -443,18 +473,18 @@ class EngineCore:
         return outputs
 
     def _forward_batch(self, step: SchedulerStep) -> ForwardBatch:
+        """The step's batch; with tensor parallelism its plan goes to the other ranks first."""
         chunks, starts = [], []
         for chunk in step.chunks:
             start = chunk.request.num_computed_tokens
             chunks.append(chunk.request.token_ids[start : start + chunk.num_tokens])
             starts.append(start)
-        return ForwardBatch.build(
+        plan = dict(
             token_chunks=chunks,
             start_positions=starts,
             block_tables=[c.request.block_ids for c in step.chunks],
             sample_mask=[c.samples for c in step.chunks],
             block_size=self.config.block_size,
-            device=self.config.device,
             state_slots=[c.request.slot for c in step.chunks],
             state_restore=[c.restore_from for c in step.chunks],
             state_snapshot=[c.snapshot and c.snapshot[:2] for c in step.chunks],
@@ -464,6 +494,9 @@ class EngineCore:
                 for c in step.chunks
             ],
         )
+        if self.ranks is not None:
+            self.ranks.run(plan)
+        return ForwardBatch.build(**plan, device=self.config.device)
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters

@@ -58,7 +58,9 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        # A failed loop is dead from the moment it fails, before its thread has ended: the
+        # failure it hands the sink must not race with this flag.
+        return self._thread.is_alive() and self.error is None
 
     def send(self, message: Inbound) -> None:
         self._inbox.put(_encoder.encode(message))
