@@ -1,6 +1,6 @@
-"""Qwen3 and Qwen3.5 split over two gloo ranks (heads, KV heads, DeltaNet heads, MLP width and
-vocabulary halved, weights sliced from the checkpoint at load) compute the single-process
-logits (float32)."""
+"""Qwen3, Qwen3.5 and DeepSeek-V2 split over two gloo ranks (heads, KV heads, DeltaNet heads,
+MLP width and vocabulary halved, routed experts divided, weights sliced from the checkpoint at
+load) compute the single-process logits (float32)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ from pegainfer.core.errors import ConfigError
 from pegainfer.core.model_files import read_config
 from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.core.parallel import ParallelGroup
+from pegainfer.models.deepseek.line import DeepseekLine
 from pegainfer.models.qwen3.line import Qwen3Line
 from pegainfer.models.qwen35.line import Qwen35Line
 from tests.core.test_parallel import free_port
+from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek_checkpoint
 from tests.paged_runner import PagedRunner, random_tokens
 from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
 from tests.qwen35.hf_reference import write_hf_checkpoint as write_qwen35_checkpoint
 
-LINES = {"qwen3": Qwen3Line, "qwen35": Qwen35Line}
+LINES = {"qwen3": Qwen3Line, "qwen35": Qwen35Line, "deepseek": DeepseekLine}
 
 
 def steps(line: str, path: Path, group: ParallelGroup) -> list[torch.Tensor]:
@@ -48,12 +50,17 @@ def _worker(rank: int, world: int, port: int, line: str, path: str, out: str) ->
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("line", "tie"), [("qwen3", True), ("qwen3", False), ("qwen35", True), ("qwen35", False)]
-)
+def write(line: str, path: Path, tie: bool) -> Path:
+    if line == "deepseek":
+        return write_deepseek_checkpoint(path, tie_word_embeddings=tie)
+    writer = write_hf_checkpoint if line == "qwen3" else write_qwen35_checkpoint
+    return writer(path, tie=tie)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("line", sorted(LINES))
 def test_two_ranks_equal_one(tmp_path, line, tie):
-    write = write_hf_checkpoint if line == "qwen3" else write_qwen35_checkpoint
-    path = write(tmp_path / "ckpt", tie=tie)
+    path = write(line, tmp_path / "ckpt", tie)
     expected = steps(line, path, ParallelGroup())
     args = (2, free_port(), line, str(path), str(tmp_path))
     mp.spawn(_worker, args=args, nprocs=2, join=True)

@@ -1,6 +1,11 @@
 """DeepSeek-V2's forward pass over a paged latent cache: MLA attention, then a dense MLP
 (the first `first_k_dense_replace` layers) or routed plus shared experts.
 
+Under tensor parallelism (`core.parallel`) each rank holds its share of the attention heads,
+of the dense and shared MLPs' width and of the vocabulary, and a range of the routed experts
+(expert parallelism: every rank routes every token, computes its experts' terms, and one
+all-reduce sums routed and shared outputs); the latent cache is whole on every rank.
+
 The torch reference path, following transformers' `DeepseekV2ForCausalLM` op for op: each
 cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per layer)
 and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA kernels read;
@@ -11,10 +16,14 @@ per expert.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.core import parallel
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.model_line import Model, RuntimeConfig
@@ -32,9 +41,10 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: DeepseekConfig, group: parallel.ParallelGroup) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group = group
         heads, h = cfg.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
             self.q_proj = _param(heads * cfg.qk_head_dim, h)
@@ -76,7 +86,7 @@ class LatentAttention(nn.Module):
         out = ops.mla_attention(
             q_nope, q_pe, ckv, kpe, self.kv_b_proj, batch, cfg.v_head_dim, cfg.softmax_scale
         )
-        return F.linear(out.reshape(tokens, -1), self.o_proj)
+        return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
 
 
 class Expert(nn.Module):
@@ -90,15 +100,19 @@ class Expert(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts beside always-on shared ones."""
+    """Routed experts beside always-on shared ones; this rank holds experts `first`.. of the
+    routed ones and its share of the shared ones' width."""
 
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: DeepseekConfig, group: parallel.ParallelGroup) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group = group
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        local = cfg.num_experts // group.world_size
+        self.first = group.rank * local
         self.gate = _param(cfg.num_experts, h)
-        self.experts = nn.ModuleList(Expert(h, inter) for _ in range(cfg.num_experts))
-        self.shared_experts = Expert(h, inter * cfg.num_shared_experts)
+        self.experts = nn.ModuleList(Expert(h, inter) for _ in range(local))
+        self.shared_experts = Expert(h, inter * cfg.num_shared_experts // group.world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -107,33 +121,63 @@ class Experts(nn.Module):
             cfg.routed_scaling_factor,
         )  # fmt: skip
         gate_up = [e.gate_up_proj for e in self.experts]
-        routed = ops.moe(x, weights, chosen, gate_up, [e.down_proj for e in self.experts])
-        return routed + self.shared_experts(x)
+        down = [e.down_proj for e in self.experts]
+        routed = ops.moe(x, weights, chosen, gate_up, down, self.first)
+        shared = self.shared_experts
+        h = activation.silu_and_mul(F.linear(x, shared.gate_up_proj))
+        return self.group.all_reduce(routed + F.linear(h, shared.down_proj))
+
+
+class DenseMLP(Expert):
+    """The first layers' SwiGLU MLP, its width split over the ranks."""
+
+    def __init__(self, hidden: int, inter: int, group: parallel.ParallelGroup) -> None:
+        super().__init__(hidden, inter)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = activation.silu_and_mul(F.linear(x, self.gate_up_proj))
+        return parallel.row_parallel_linear(h, self.down_proj, self.group)
 
 
 class DeepseekLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, index: int) -> None:
+    def __init__(self, cfg: DeepseekConfig, index: int, group: parallel.ParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = _param(cfg.hidden_size)
         self.post_attention_layernorm = _param(cfg.hidden_size)
-        self.self_attn = LatentAttention(cfg)
-        moe = cfg.is_moe(index)
-        self.mlp = Experts(cfg) if moe else Expert(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = LatentAttention(cfg, group)
+        if cfg.is_moe(index):
+            self.mlp: nn.Module = Experts(cfg, group)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, group)
 
 
 class DeepseekV2ForCausalLM(Model):
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: DeepseekConfig, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekLayer(cfg, i) for i in range(cfg.num_layers))
+        self.group = group = group or parallel.ParallelGroup()
+        world = group.world_size
+        shared = cfg.moe_intermediate_size * cfg.num_shared_experts
+        sizes = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+                 "n_routed_experts": cfg.num_experts, "the shared experts' width": shared,
+                 "vocab_size": cfg.vocab_size}  # fmt: skip
+        for name, size in sizes.items():
+            if size % world:
+                raise ConfigError(f"{name} {size} does not split over {world} ranks")
+        self.full_cfg = cfg
+        self.cfg = cfg = dataclasses.replace(
+            cfg, num_heads=cfg.num_heads // world, intermediate_size=cfg.intermediate_size // world
+        )
+        vocab_rows = cfg.vocab_size // world
+        self.embed_tokens = _param(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, group) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
         self.rope: ops.InterleavedRope | None = None
 
     @property
     def vocab_size(self) -> int:
-        return self.cfg.vocab_size
+        return self.full_cfg.vocab_size
 
     @property
     def max_position_embeddings(self) -> int:
@@ -154,31 +198,55 @@ class DeepseekV2ForCausalLM(Model):
         pass  # the reference attention plans nothing
 
     def checkpoint_name_map(self, name: str) -> WeightTarget | None:
-        """Map a Hugging Face checkpoint tensor name to our (fused) parameter."""
+        """Map a Hugging Face checkpoint tensor name to our (fused) parameter, and to the
+        rows or columns of it this rank keeps (None: another rank's expert)."""
+        cfg, rank = self.cfg, self.group.rank
+
+        def mine(size: int) -> tuple[int, int]:
+            return rank * size, (rank + 1) * size
+
+        vocab = mine(self.embed_tokens.shape[0])
         if name == "lm_head.weight":
-            return None if self.cfg.tie_word_embeddings else WeightTarget("lm_head")
+            return None if cfg.tie_word_embeddings else WeightTarget("lm_head", rows=vocab)
         if not name.startswith("model.") or not name.endswith(".weight"):
             return WeightTarget(name)  # unknown: the loader reports it
         path = name.removeprefix("model.").removesuffix(".weight")
+        if path == "embed_tokens":
+            return WeightTarget(path, rows=vocab)
         module, _, leaf = path.rpartition(".")
-        if leaf in ("gate_proj", "up_proj"):
-            layer = int(path.split(".")[1])
-            inter = self.cfg.intermediate_size
-            if ".experts." in module or module.endswith("shared_experts"):
-                inter = self.cfg.moe_intermediate_size
-                if module.endswith("shared_experts"):
-                    inter *= self.cfg.num_shared_experts
-            elif self.cfg.is_moe(layer):
+        parts = path.split(".")
+        if ".experts." in path:  # layers.N.mlp.experts.E.leaf: only this rank's experts
+            local = int(parts[4]) - self.layers[int(parts[1])].mlp.first
+            if not 0 <= local < len(self.layers[int(parts[1])].mlp.experts):
+                return None
+            module = ".".join([*parts[:4], str(local)])
+            inter, split = cfg.moe_intermediate_size, None
+        elif module.endswith("shared_experts"):
+            inter = cfg.moe_intermediate_size * cfg.num_shared_experts // self.group.world_size
+            split = mine(inter)
+        elif module.endswith("mlp") and leaf in ("gate_proj", "up_proj", "down_proj"):
+            if cfg.is_moe(int(parts[1])):
                 return WeightTarget(path)  # not a layout we know: the loader reports it
-            offset = 0 if leaf == "gate_proj" else inter
-            return WeightTarget(f"{module}.gate_up_proj", offset, inter)
-        return WeightTarget(path)
+            inter, split = cfg.intermediate_size, mine(cfg.intermediate_size)
+        else:
+            heads = cfg.num_heads
+            rows = {"q_proj": heads * cfg.qk_head_dim, "q_b_proj": heads * cfg.qk_head_dim,
+                    "kv_b_proj": heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)}  # fmt: skip
+            if leaf in rows:
+                return WeightTarget(path, rows=mine(rows[leaf]))
+            if leaf == "o_proj":
+                return WeightTarget(path, cols=mine(heads * cfg.v_head_dim))
+            return WeightTarget(path)
+        if leaf == "down_proj":
+            return WeightTarget(f"{module}.down_proj", cols=split)
+        offset = 0 if leaf == "gate_proj" else inter
+        return WeightTarget(f"{module}.gate_up_proj", offset, inter, rows=split)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         rope, cfg = self.rope, self.cfg
         assert rope is not None, "init_runtime() must run before the first step"
         ckv, kpe, eps = kv_cache["ckv"], kv_cache["kpe"], cfg.rms_norm_eps
-        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        hidden = parallel.vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.group)
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = rms_norm.add_rms_norm(hidden, residual, layer.input_layernorm, eps)
@@ -190,4 +258,4 @@ class DeepseekV2ForCausalLM(Model):
         rows = batch.logits_indices
         x, _ = rms_norm.add_rms_norm(hidden[rows], residual[rows], self.norm, eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return parallel.vocab_parallel_logits(x, head, self.group).float()

@@ -158,12 +158,18 @@ def moe(
     experts: torch.Tensor,
     gate_up: list[torch.Tensor],
     down: list[torch.Tensor],
+    first: int = 0,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), expert by expert (SwiGLU)."""
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), expert by expert (SwiGLU), over the
+    experts held here: `gate_up[i]`/`down[i]` are expert `first + i`'s (expert parallelism
+    holds a range; the others' terms come from other ranks)."""
     out = torch.zeros_like(x)
     for expert in experts.unique().tolist():
+        local = expert - first
+        if not 0 <= local < len(gate_up):
+            continue
         token, slot = (experts == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
+        gate, up = F.linear(x[token], gate_up[local]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[local]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
