@@ -3,6 +3,9 @@ a worker that dies fails the engine with a clear error instead of hanging it."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,13 +25,63 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40)]
 
 
-def test_two_ranks_generate_what_one_does(checkpoint):
-    expected = generate(make_engine(checkpoint), prompts(), greedy(12))
-    engine = make_engine(checkpoint, tensor_parallel_size=2, max_num_batched_tokens=24)
+@pytest.mark.parametrize("line", ["qwen3", "deepseek"])
+def test_two_ranks_generate_what_one_does(checkpoint, tmp_path, line):
+    """Greedy answers with chunked prefill; DeepSeek's experts split over the ranks too."""
+    from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
+
+    path = checkpoint if line == "qwen3" else write_deepseek(tmp_path / "deepseek")
+    expected = generate(make_engine(path), prompts(), greedy(12))
+    engine = make_engine(path, tensor_parallel_size=2, max_num_batched_tokens=24)
     try:
         assert generate(engine, prompts(), greedy(12)) == expected
     finally:
         engine.shutdown()
+
+
+def test_the_server_serves_with_two_ranks(tmp_path):
+    """`pegainfer-server --tensor-parallel-size 2` answers, and its workers end with it."""
+    import openai
+
+    from pegainfer.models.qwen3.line import Qwen3Line
+    from tests.server.conftest import start_server, stop_server
+
+    model = tmp_path / "tiny"
+    Qwen3Line().write_tiny_checkpoint(model)
+    server = start_server(model, tmp_path / "log", "--device", "cpu", "--max-model-len", "256",
+                          "--tensor-parallel-size", "2")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none")
+        reply = client.completions.create(model=server.model, prompt="Hello", max_tokens=5,
+                                          temperature=0)  # fmt: skip
+        assert reply.usage.completion_tokens == 5
+        workers = _descendants(server.process.pid)
+        assert workers  # the rank-1 worker (and spawn's helper)
+    finally:
+        stop_server(server)
+    deadline = time.monotonic() + 15  # the worker, then spawn's resource tracker, wind down
+    while (alive := [p for p in workers if Path(f"/proc/{p}").exists()]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    assert not alive, f"processes outlived the server: {alive}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def test_a_dead_rank_fails_the_engine(checkpoint):
