@@ -15,11 +15,17 @@ rank reads only the bytes it keeps (safetensors slices lazily).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from pegainfer.core.errors import ConfigError
+
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,18 @@ class ParallelGroup:
             raise ValueError(f"{size} does not split over {self.world_size} ranks")
         per = size // self.world_size
         return self.rank * per, (self.rank + 1) * per
+
+
+def shard_config(cfg: C, group: ParallelGroup, split: tuple[str, ...], **also: int) -> C:
+    """`cfg` as one rank sees it: the fields named in `split` divided by the world size. Those
+    and the sizes in `also` (which stay whole in the config, e.g. the vocabulary, split only in
+    the weights) must divide evenly, or a ConfigError names the first that does not."""
+    world = group.world_size
+    sizes: dict[str, Any] = {name: getattr(cfg, name) for name in split} | also
+    for name, size in sizes.items():
+        if size % world:
+            raise ConfigError(f"{name} {size} does not split over {world} ranks")
+    return dataclasses.replace(cfg, **{name: sizes[name] // world for name in split})
 
 
 def shard_rows(weight: torch.Tensor, group: ParallelGroup) -> torch.Tensor:

@@ -53,6 +53,12 @@ NameMap = Callable[[str], WeightTarget | list[WeightTarget] | None]
 M = TypeVar("M", bound=torch.nn.Module)
 
 
+def empty_param(*shape: int) -> torch.nn.Parameter:
+    """A frozen parameter to be filled from a checkpoint (models are built on the meta device,
+    so this allocates nothing until `allocate_parameters`)."""
+    return torch.nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
 def allocate_parameters(module: torch.nn.Module, device: torch.device) -> None:
     """Give a module built on the meta device uninitialised storage on `device`, in place.
 

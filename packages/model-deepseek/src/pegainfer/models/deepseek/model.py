@@ -16,28 +16,21 @@ per expert.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.core import parallel
-from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import activation, rms_norm
-from pegainfer.core.weights import WeightTarget
+from pegainfer.core.weights import WeightTarget, empty_param
 from pegainfer.models.deepseek import ops
 from pegainfer.models.deepseek.config import DeepseekConfig
 
 # transformers builds kv_a_layernorm (and q_a_layernorm) with its RMSNorm's default eps.
 _LATENT_NORM_EPS = 1e-6
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class LatentAttention(nn.Module):
@@ -47,15 +40,17 @@ class LatentAttention(nn.Module):
         self.group = group
         heads, h = cfg.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
-            self.q_proj = _param(heads * cfg.qk_head_dim, h)
+            self.q_proj = empty_param(heads * cfg.qk_head_dim, h)
         else:
-            self.q_a_proj = _param(cfg.q_lora_rank, h)
-            self.q_a_layernorm = _param(cfg.q_lora_rank)
-            self.q_b_proj = _param(heads * cfg.qk_head_dim, cfg.q_lora_rank)
-        self.kv_a_proj_with_mqa = _param(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
-        self.kv_a_layernorm = _param(cfg.kv_lora_rank)
-        self.kv_b_proj = _param(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        self.o_proj = _param(h, heads * cfg.v_head_dim)
+            self.q_a_proj = empty_param(cfg.q_lora_rank, h)
+            self.q_a_layernorm = empty_param(cfg.q_lora_rank)
+            self.q_b_proj = empty_param(heads * cfg.qk_head_dim, cfg.q_lora_rank)
+        self.kv_a_proj_with_mqa = empty_param(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
+        self.kv_a_layernorm = empty_param(cfg.kv_lora_rank)
+        self.kv_b_proj = empty_param(
+            heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
+        )
+        self.o_proj = empty_param(h, heads * cfg.v_head_dim)
 
     def forward(
         self,
@@ -92,8 +87,8 @@ class LatentAttention(nn.Module):
 class Expert(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_up_proj = _param(2 * inter, hidden)
-        self.down_proj = _param(hidden, inter)
+        self.gate_up_proj = empty_param(2 * inter, hidden)
+        self.down_proj = empty_param(hidden, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(activation.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
@@ -110,7 +105,7 @@ class Experts(nn.Module):
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         local = cfg.num_experts // group.world_size
         self.first = group.rank * local
-        self.gate = _param(cfg.num_experts, h)
+        self.gate = empty_param(cfg.num_experts, h)
         self.experts = nn.ModuleList(Expert(h, inter) for _ in range(local))
         self.shared_experts = Expert(h, inter * cfg.num_shared_experts // group.world_size)
 
@@ -143,8 +138,8 @@ class DenseMLP(Expert):
 class DeepseekLayer(nn.Module):
     def __init__(self, cfg: DeepseekConfig, index: int, group: parallel.ParallelGroup) -> None:
         super().__init__()
-        self.input_layernorm = _param(cfg.hidden_size)
-        self.post_attention_layernorm = _param(cfg.hidden_size)
+        self.input_layernorm = empty_param(cfg.hidden_size)
+        self.post_attention_layernorm = empty_param(cfg.hidden_size)
         self.self_attn = LatentAttention(cfg, group)
         if cfg.is_moe(index):
             self.mlp: nn.Module = Experts(cfg, group)
@@ -156,23 +151,17 @@ class DeepseekV2ForCausalLM(Model):
     def __init__(self, cfg: DeepseekConfig, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
         self.group = group = group or parallel.ParallelGroup()
-        world = group.world_size
-        shared = cfg.moe_intermediate_size * cfg.num_shared_experts
-        sizes = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
-                 "n_routed_experts": cfg.num_experts, "the shared experts' width": shared,
-                 "vocab_size": cfg.vocab_size}  # fmt: skip
-        for name, size in sizes.items():
-            if size % world:
-                raise ConfigError(f"{name} {size} does not split over {world} ranks")
         self.full_cfg = cfg
-        self.cfg = cfg = dataclasses.replace(
-            cfg, num_heads=cfg.num_heads // world, intermediate_size=cfg.intermediate_size // world
-        )
-        vocab_rows = cfg.vocab_size // world
-        self.embed_tokens = _param(vocab_rows, cfg.hidden_size)
+        shared_width = cfg.moe_intermediate_size * cfg.num_shared_experts
+        self.cfg = cfg = parallel.shard_config(
+            cfg, group, ("num_heads", "intermediate_size"), num_experts=cfg.num_experts,
+            shared_experts_width=shared_width, vocab_size=cfg.vocab_size,
+        )  # fmt: skip
+        vocab_rows = cfg.vocab_size // group.world_size
+        self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DeepseekLayer(cfg, i, group) for i in range(cfg.num_layers))
-        self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
+        self.norm = empty_param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
         self.rope: ops.InterleavedRope | None = None
 
     @property

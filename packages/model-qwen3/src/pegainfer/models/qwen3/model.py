@@ -13,7 +13,6 @@ rank's own shape, `full_cfg` the checkpoint's.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,14 +22,13 @@ from torch import nn
 
 from pegainfer.core import parallel
 from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attention
-from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import activation, rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
-from pegainfer.core.weights import WeightTarget
+from pegainfer.core.weights import WeightTarget, empty_param
 from pegainfer.models.qwen3.config import Qwen3Config
 
 
@@ -51,24 +49,20 @@ def _ops(device: torch.device) -> _Ops:
     return _Ops(fast_norm.add_rms_norm, fast_activation.silu_and_mul, qk_norm_rope_kv_write)
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
 class Qwen3Layer(nn.Module):
     def __init__(self, cfg: Qwen3Config, group: parallel.ParallelGroup) -> None:
         super().__init__()
         self.cfg = cfg
         self.group = group
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.input_layernorm = _param(cfg.hidden_size)
-        self.qkv_proj = _param(q_size + 2 * kv_size, cfg.hidden_size)
-        self.q_norm = _param(cfg.head_dim)
-        self.k_norm = _param(cfg.head_dim)
-        self.o_proj = _param(cfg.hidden_size, q_size)
-        self.post_attention_layernorm = _param(cfg.hidden_size)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = empty_param(cfg.hidden_size)
+        self.qkv_proj = empty_param(q_size + 2 * kv_size, cfg.hidden_size)
+        self.q_norm = empty_param(cfg.head_dim)
+        self.k_norm = empty_param(cfg.head_dim)
+        self.o_proj = empty_param(cfg.hidden_size, q_size)
+        self.post_attention_layernorm = empty_param(cfg.hidden_size)
+        self.gate_up_proj = empty_param(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = empty_param(cfg.hidden_size, cfg.intermediate_size)
 
     def attention(
         self,
@@ -111,20 +105,14 @@ class Qwen3ForCausalLM(Model):
     def __init__(self, cfg: Qwen3Config, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
         self.group = group = group or parallel.ParallelGroup()
-        world = group.world_size
-        for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
-            if getattr(cfg, name) % world:
-                raise ConfigError(f"{name} {getattr(cfg, name)} does not split over {world} ranks")
         self.full_cfg = cfg
-        self.cfg = cfg = dataclasses.replace(
-            cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-            intermediate_size=cfg.intermediate_size // world,
-        )  # fmt: skip
-        vocab_rows = cfg.vocab_size // world
-        self.embed_tokens = _param(vocab_rows, cfg.hidden_size)
+        split = ("num_heads", "num_kv_heads", "intermediate_size")
+        self.cfg = cfg = parallel.shard_config(cfg, group, split, vocab_size=cfg.vocab_size)
+        vocab_rows = cfg.vocab_size // group.world_size
+        self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen3Layer(cfg, group) for _ in range(cfg.num_layers))
-        self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
+        self.norm = empty_param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
         self.rope: RotaryEmbedding | None = None
         self.attn: PagedAttention | None = None
         self.ops: _Ops | None = None

@@ -15,7 +15,6 @@ in one.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,7 +32,7 @@ from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import activation, rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
-from pegainfer.core.weights import WeightTarget
+from pegainfer.core.weights import WeightTarget, empty_param
 from pegainfer.models.qwen35 import ops
 from pegainfer.models.qwen35.config import FULL, Qwen35Config
 
@@ -110,10 +109,6 @@ class DeltaNetStep:
         )
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
 class GatedAttention(nn.Module):
     """GQA attention whose output is gated per channel by a second half of q_proj."""
 
@@ -123,10 +118,10 @@ class GatedAttention(nn.Module):
         self.group = group
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # [q_proj (per head: query | gate) | k_proj | v_proj]
-        self.qkv_proj = _param(2 * q_size + 2 * kv_size, cfg.hidden_size)
-        self.o_proj = _param(cfg.hidden_size, q_size)
-        self.q_norm = _param(cfg.head_dim)
-        self.k_norm = _param(cfg.head_dim)
+        self.qkv_proj = empty_param(2 * q_size + 2 * kv_size, cfg.hidden_size)
+        self.o_proj = empty_param(cfg.hidden_size, q_size)
+        self.q_norm = empty_param(cfg.head_dim)
+        self.k_norm = empty_param(cfg.head_dim)
 
     def forward(
         self,
@@ -162,12 +157,12 @@ class GatedDeltaNet(nn.Module):
         heads = cfg.linear_num_value_heads
         value_dim = heads * cfg.linear_value_head_dim
         # [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]
-        self.in_proj = _param(cfg.conv_channels + value_dim + 2 * heads, cfg.hidden_size)
-        self.conv1d = _param(cfg.conv_channels, 1, cfg.conv_kernel)
-        self.A_log = _param(heads)
-        self.dt_bias = _param(heads)
-        self.norm = _param(cfg.linear_value_head_dim)
-        self.out_proj = _param(cfg.hidden_size, value_dim)
+        self.in_proj = empty_param(cfg.conv_channels + value_dim + 2 * heads, cfg.hidden_size)
+        self.conv1d = empty_param(cfg.conv_channels, 1, cfg.conv_kernel)
+        self.A_log = empty_param(heads)
+        self.dt_bias = empty_param(heads)
+        self.norm = empty_param(cfg.linear_value_head_dim)
+        self.out_proj = empty_param(cfg.hidden_size, value_dim)
 
     def forward(
         self,
@@ -192,34 +187,35 @@ class GatedDeltaNet(nn.Module):
             out = self._reference(proj, batch, conv_states, recurrent_states)
             out = ops.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
         else:
-            from pegainfer.models.qwen35 import kernels
-
-            out = self._kernels(proj, step, conv_states, recurrent_states)
-            out = kernels.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
+            out = self._kernels(proj, z, step, conv_states, recurrent_states)
         return parallel.row_parallel_linear(out.reshape(tokens, -1), self.out_proj, self.group)
 
     def _kernels(
         self,
         proj: torch.Tensor,
+        z: torch.Tensor,
         step: DeltaNetStep,
         conv_states: torch.Tensor,
         recurrent_states: torch.Tensor,
     ) -> torch.Tensor:
+        """The conv, the delta rule and the gated norm over the whole step (CUDA)."""
         from pegainfer.models.qwen35 import kernels
 
         cfg = self.cfg
-        shape = kernels.DeltaNetShape(
-            cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-            cfg.linear_value_head_dim,
-        )  # fmt: skip
         qkv = kernels.causal_conv1d(
             proj[:, : cfg.conv_channels], self.conv1d, conv_states, step.slots, step.bounds,
             step.conv_snapshots, step.max_len,
         )  # fmt: skip
         args = (qkv, proj, self.A_log, self.dt_bias, recurrent_states, step.slots)
+        shape = kernels.DeltaNetShape(
+            cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        )  # fmt: skip
         if step.chunks is None:
-            return kernels.recurrent_gated_delta_rule(*args, shape)
-        return kernels.chunked_gated_delta_rule(*args, step.chunks, shape)
+            out = kernels.recurrent_gated_delta_rule(*args, shape)
+        else:
+            out = kernels.chunked_gated_delta_rule(*args, step.chunks, shape)
+        return kernels.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
 
     def _reference(
         self,
@@ -300,10 +296,10 @@ class Qwen35Layer(nn.Module):
             self.self_attn = GatedAttention(cfg, group)
         else:
             self.linear_attn = GatedDeltaNet(cfg, group)
-        self.input_layernorm = _param(cfg.hidden_size)
-        self.post_attention_layernorm = _param(cfg.hidden_size)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = empty_param(cfg.hidden_size)
+        self.post_attention_layernorm = empty_param(cfg.hidden_size)
+        self.gate_up_proj = empty_param(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = empty_param(cfg.hidden_size, cfg.intermediate_size)
 
     def mlp(self, x: torch.Tensor, ops: _Ops) -> torch.Tensor:
         h = ops.silu_and_mul(F.linear(x, self.gate_up_proj))
@@ -316,19 +312,15 @@ class Qwen35ForCausalLM(Model):
     def __init__(self, cfg: Qwen35Config, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
         self.group = group = group or parallel.ParallelGroup()
-        world = group.world_size
+        self.full_cfg = cfg
         split = ("num_heads", "num_kv_heads", "linear_num_key_heads", "linear_num_value_heads",
                  "intermediate_size")  # fmt: skip
-        for name in (*split, "vocab_size"):
-            if getattr(cfg, name) % world:
-                raise ConfigError(f"{name} {getattr(cfg, name)} does not split over {world} ranks")
-        self.full_cfg = cfg
-        self.cfg = cfg = dataclasses.replace(cfg, **{n: getattr(cfg, n) // world for n in split})
-        vocab_rows = cfg.vocab_size // world
-        self.embed_tokens = _param(vocab_rows, cfg.hidden_size)
+        self.cfg = cfg = parallel.shard_config(cfg, group, split, vocab_size=cfg.vocab_size)
+        vocab_rows = cfg.vocab_size // group.world_size
+        self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen35Layer(cfg, kind, group) for kind in cfg.layer_types)
-        self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size)
+        self.norm = empty_param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
         # Where each layer's cache lives: its index among the full or the linear layers.
         self._cache_index = {i: n for layers in (cfg.full_layers, cfg.linear_layers)
                              for n, i in enumerate(layers)}  # fmt: skip
