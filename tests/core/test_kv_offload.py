@@ -69,3 +69,25 @@ def test_a_load_before_its_slot_is_reused_reads_the_old_block():
     tier.store([(b"b", 1)], cache)  # evicts a and reuses its slot
     assert all(torch.equal(x, y) for x, y in zip(block(cache, 5), original, strict=True))
     assert not tier.contains(b"a") and tier.contains(b"b")
+
+
+def test_blocks_cross_in_groups_whatever_the_order_of_their_host_slots():
+    """A staging buffer of two blocks: stores and loads run in groups, and slots freed out of
+    order make runs of one and of several consecutive slots."""
+    per_block = max(s.bytes_per_block for s in SPECS)
+    cache = filled_cache(num_blocks=12)
+    tier = HostMemoryTier(SPECS, 6, CPU, staging_bytes=2 * per_block)
+    originals = {b: block(cache, b) for b in range(12)}
+    tier.store([(bytes([b]), b) for b in range(6)], cache)  # slots 0..5, groups of two
+    for key in (b"\x01", b"\x04", b"\x02"):
+        tier.evict(key)  # frees slots 1, 4, 2: the next stores take them in that order
+    tier.store([(bytes([b]), b) for b in (7, 8, 9)], cache)
+    stored = [0, 3, 5, 7, 8, 9]
+    targets = [11, 2, 6, 0, 10, 4]  # device blocks, in no particular order
+    for arena in cache.arenas.values():
+        arena.zero_()
+    tier.load([(bytes([b]), t) for b, t in zip(stored, targets, strict=True)], cache)
+    for b, t in zip(stored, targets, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(block(cache, t), originals[b], strict=True))
+    untouched = set(range(12)) - set(targets)
+    assert all(not cache[name][:, b].any() for b in untouched for name in cache.arenas)
