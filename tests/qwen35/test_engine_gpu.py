@@ -42,6 +42,7 @@ QWEN35_4B = {"vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 921
              "linear_key_head_dim": 128, "linear_value_head_dim": 128,
              "max_position_embeddings": 32768}  # fmt: skip
 SMALL_LAYER_OUT, QWEN35_4B_LAYER_OUT = 0.25, 0.01
+FINAL_NORM_GAIN = 0.3
 
 
 def write_gate_checkpoint(path: Path, config: dict, layer_out: float, seed: int = 0) -> None:
@@ -49,7 +50,15 @@ def write_gate_checkpoint(path: Path, config: dict, layer_out: float, seed: int 
     distributions (`tests.qwen3.golden_gate.write_gate_checkpoint`: gate/up halved, embedding
     std 1/sqrt(hidden), layer outputs scaled by `layer_out`, the DeltaNet's out_proj
     included); zero-centred norms get N(0, 0.1), the gated norm 1 + N(0, 0.1), A_log and
-    dt_bias N(0, 0.3) on top of their init."""
+    dt_bias N(0, 0.3) on top of their init.
+
+    The final norm's gain is 0.3 (times 1 + N(0, 0.1)): with the tied head, a token's own
+    logit stands at about sqrt(hidden) times that gain, ~48 at 4B shapes with a gain of 1,
+    where one bf16 step of the logit is 0.25 nat (above the gate's p99 of 0.20). Two correct
+    bf16 implementations then disagree by a step at the peak, and that step moves every
+    other logprob: transformers' own bf16 sat 0.15 nat (p99) from its float32. At ~14 the
+    step is 1/16 nat and the gate measures the implementation, not the rounding of one
+    logit."""
     import transformers
 
     cfg = transformers.Qwen3_5TextConfig(
@@ -63,6 +72,8 @@ def write_gate_checkpoint(path: Path, config: dict, layer_out: float, seed: int 
         for name, param in hf.named_parameters():
             if name.endswith("linear_attn.norm.weight"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name == "model.norm.weight":  # zero-centred: the gain is 1 + weight
+                param.copy_(FINAL_NORM_GAIN * (1 + 0.1 * torch.randn_like(param)) - 1)
             elif name.endswith("norm.weight"):
                 param.copy_(0.1 * torch.randn_like(param))
             elif name.endswith(("A_log", "dt_bias")):
