@@ -61,6 +61,13 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / cuda_time(lambda: dst.copy_(src))
 
 
+def host_to_device_bandwidth() -> float:
+    """Bytes per second of a 1 GiB copy from pinned host memory to the device."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    return src.numel() / cuda_time(lambda: dst.copy_(src, non_blocking=True))
+
+
 def matmul_rate() -> float:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -225,18 +232,25 @@ def prefill_time(engine: EngineCore, tokens: int, reps: int = 3) -> float:
 
 
 def prefix_hit_time(engine: EngineCore, tokens: int, reps: int, profile_path: Path | None) -> float:
-    """Median wall time of the one step that serves a prompt of `tokens` whose full blocks are
-    all in the prefix cache (the last block's tokens are computed again), as the warm-prefix
-    ladder of `pegainfer-bench prefix` sends it."""
+    """Median wall time of serving a prompt of `tokens` whose full blocks are all in the
+    prefix cache (the last block's tokens are computed again), as the warm-prefix ladder of
+    `pegainfer-bench prefix` sends it: one step from the device tier; with the host tier only
+    (`--kv-offload-gib`), the restore's copy and then that step."""
     g = torch.Generator().manual_seed(7 * tokens)
     prompt = torch.randint(0, VOCAB, (tokens,), generator=g).tolist()
     ids = itertools.count()
+    counters = engine.scheduler.counters
 
     def serve_once() -> None:
-        hits = engine.scheduler.counters.prefix_hits
+        hits, host_hits = counters.prefix_hits, counters.prefix_hits_host
         submit(engine, f"hit{tokens}-{next(ids)}", prompt, 1)
-        finish_one_step(engine)
-        assert engine.scheduler.counters.prefix_hits - hits >= tokens - engine.config.block_size
+        if engine.offload is None:
+            finish_one_step(engine)
+        else:
+            while engine.has_unfinished_requests:  # steps that launch nothing until it lands
+                engine.step()
+            assert counters.prefix_hits_host - host_hits >= tokens - engine.config.block_size
+        assert counters.prefix_hits - hits >= tokens - engine.config.block_size
 
     submit(engine, f"fill{tokens}", prompt, 1)
     while engine.requests:
@@ -277,6 +291,11 @@ def main() -> None:
         help="engine with --async-scheduling: a step's host work overlaps the previous step",
     )  # fmt: skip
     parser.add_argument(
+        "--kv-offload-gib", type=float, default=0.0,
+        help="an engine with a host tier this large and no device prefix cache: the "
+        "--prefix-hit lengths are then restores from host memory",
+    )  # fmt: skip
+    parser.add_argument(
         "--model-dir", type=Path, default=None,
         help="a checkpoint of this shape written earlier (default: write one to a temp dir)",
     )  # fmt: skip
@@ -291,6 +310,7 @@ def main() -> None:
     profiled = {int(b) for b in args.profile.split(",") if b}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bandwidth, flops = copy_bandwidth(), matmul_rate()
+    host_bandwidth = host_to_device_bandwidth() if args.kv_offload_gib else None
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir is None:
@@ -308,7 +328,9 @@ def main() -> None:
                 *prefills, *prefix_hits, args.context + decode_budget(max(batches), args.steps)
             ),
             max_num_batched_tokens=max(prefills),
-            enable_prefix_caching=True,  # as served; the timed prompts are all distinct
+            # As served (the timed prompts are all distinct), unless only the host tier is.
+            enable_prefix_caching=not args.kv_offload_gib,
+            kv_offload=bool(args.kv_offload_gib), kv_offload_gib=args.kv_offload_gib or 16.0,
             async_scheduling=args.async_scheduling,
         ))  # fmt: skip
         load_s = time.perf_counter() - started
@@ -358,6 +380,10 @@ def main() -> None:
         path = args.out.parent / f"profile_prefix_hit_{tokens}.txt" if profiled else None
         t = prefix_hit_time(engine, tokens, 20, path)
         prefix_hit.append({"tokens": tokens, "step_ms": t * 1e3})
+        if host_bandwidth is not None:
+            restored = tokens // block_size * sum(spec.bytes_per_block for spec in arenas)
+            prefix_hit[-1] |= {"tier": "host", "bytes_restored": restored,
+                               "copy_limit_ms": restored / host_bandwidth * 1e3}  # fmt: skip
         print(prefix_hit[-1], flush=True)
 
     revision = args.revision or git_revision()
@@ -367,6 +393,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "measured_copy_bandwidth_GBps": bandwidth / 1e9,
         "measured_bf16_matmul_TFLOPs": flops / 1e12,
+        "measured_pinned_host_to_device_GBps": host_bandwidth and host_bandwidth / 1e9,
+        "kv_offload_gib": args.kv_offload_gib,
         "weight_bytes": weight_bytes, "state_bytes_per_seq_step": state_bytes_per_seq,
         "engine_load_s": load_s,
         "num_kv_blocks": engine.config.num_kv_blocks, "async_scheduling": args.async_scheduling,
