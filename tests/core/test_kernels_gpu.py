@@ -49,3 +49,31 @@ def test_silu_and_mul(dtype, tokens, width):
     x = torch.randn(tokens, 2 * width, device="cuda", dtype=dtype, generator=g)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert rel_err(silu_and_mul(x), ref_silu_and_mul(x)) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize(("layers", "block_shape", "count"),
+                         [(36, (16, 8, 128), 28), (3, (4, 5), 1), (2, (16, 576), 9)])  # fmt: skip
+def test_copy_blocks_between_an_arena_and_a_staging_buffer(dtype, layers, block_shape, count):
+    """Both directions of the host tier's copies: staging [n, layers, ...] seen as
+    [layers, n, ...], and an arena [layers, blocks, ...], at shuffled block ids."""
+    from pegainfer.core.kernels.block_copy import copy_blocks
+    from pegainfer.core.ops.block_copy import copy_blocks as ref_copy_blocks
+
+    g = torch.Generator("cuda").manual_seed(count)
+
+    def random(shape):
+        return torch.randint(0, 100, shape, device="cuda", generator=g).to(dtype)
+
+    arena = random((layers, 3 * count + 2, *block_shape))
+    stage = random((count, layers, *block_shape))
+    blocks = torch.randperm(arena.shape[1], device="cuda", generator=g)[:count]
+    positions = torch.randperm(count, device="cuda", generator=g)
+    staged = stage.transpose(0, 1)
+    for src, src_ids, dst, dst_ids in ((staged, positions, arena, blocks),
+                                       (arena, blocks, staged, positions)):  # fmt: skip
+        ours, ref = dst.clone(), dst.clone()
+        copy_blocks(src, src_ids, ours, dst_ids)
+        ref_copy_blocks(src, src_ids, ref, dst_ids)
+        assert torch.equal(ours, ref)
+        assert not torch.equal(ours, dst)  # the copy changed something

@@ -157,15 +157,30 @@ def test_other_requests_run_while_a_restore_is_in_flight(setup):
     assert engine.scheduler.counters.prefix_hits_host == 40
 
 
+def test_a_lone_restore_computes_in_its_first_step_after_the_copy(setup):
+    """Nothing else to run: the step is launched at once, ordered after the copy on the device
+    (the host never polls the load)."""
+    path, prompts, cold = setup
+    engine = offload_engine(path, enable_prefix_caching=False)
+    run(engine, "p1", prompts["p"])
+    slow(engine, delay=100)
+    out, cached = run(engine, "alone", prompts["p"])
+    assert out == cold["p"] and cached == 40
+    assert engine.offload.polls == {}
+
+
 def test_abort_while_the_blocks_are_arriving(setup):
     path, prompts, cold = setup
     engine = offload_engine(path, enable_prefix_caching=False)
     run(engine, "p1", prompts["p"])
     slow(engine, delay=100)
     submit(engine, "restoring", prompts["p"], greedy(NEW))
-    engine.step()
-    engine.step()
+    submit(engine, "other", prompts["r"], greedy(NEW))  # not alone: it polls for its copy
+    other = [t for _ in range(2) for o in engine.step() if o.request_id == "other"
+             for t in o.new_token_ids]  # fmt: skip
+    assert engine.offload.polls
     engine.abort(["restoring"])
+    assert other + drain(engine)["other"] == cold["r"]
     assert run(engine, "after", prompts["r"])[0] == cold["r"]
     assert engine.block_manager.usage == 0.0
     engine.block_manager.check_invariants()

@@ -385,6 +385,10 @@ class EngineCore:
         step = self.scheduler.schedule()
         for request, blocks, states in step.restores:
             request.restore = self.offload.load(blocks, self.kv_cache, states)
+        for chunk in step.chunks:  # restored in this very step: compute after the copies land
+            if chunk.request.restore is not None:
+                self.offload.wait(chunk.request.restore)
+                chunk.request.restore = None
         launched = self._launch(step) if step.chunks else None
         if not self.async_scheduling:
             return self._commit(launched) if launched is not None else []

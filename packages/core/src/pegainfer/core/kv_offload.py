@@ -102,9 +102,10 @@ class HostMemoryTier(OffloadBackend):
 
     Blocks cross in groups through a device staging buffer per direction (`staging_bytes`,
     taken from the headroom memory sizing leaves): one copy per run of consecutive host slots
-    and one gather or scatter kernel per group and arena. A block's slice of an arena is
-    strided on the device (`[layers, blocks, ...]`), so copying it directly costs a temporary,
-    a copy and a kernel per block and arena: at 16k tokens of Qwen3-4B, 2,048 of each.
+    and one gather or scatter launch per group and arena (`kernels.block_copy`). A block's
+    slice of an arena is strided on the device (`[layers, blocks, ...]`), so copying it
+    directly costs a temporary, a copy and a kernel per block and arena: at 16k tokens of
+    Qwen3-4B, 2,048 of each.
     """
 
     def __init__(
@@ -143,6 +144,12 @@ class HostMemoryTier(OffloadBackend):
         self._group = max(1, min(capacity, staging_bytes // largest))
         self._load_staging = torch.empty(self._group * largest, dtype=torch.uint8, device=device)
         self._store_staging = torch.empty_like(self._load_staging)
+        self._positions = torch.arange(self._group, device=device)  # rows of a staging buffer
+        if cuda:
+            from pegainfer.core.kernels.block_copy import copy_blocks
+        else:
+            from pegainfer.core.ops.block_copy import copy_blocks
+        self._copy_blocks = copy_blocks
         self._blocks = _Pool(capacity)
         self._states = _Pool(self.state_capacity)
         self._device = device if cuda else None
@@ -211,14 +218,15 @@ class HostMemoryTier(OffloadBackend):
             index = self._index([block for _, block in group])
             for name, host in self.arenas.items():
                 stage = self._stage(self._store_staging, host, len(group))
-                stage.copy_(cache[name].index_select(1, index).transpose(0, 1))
+                self._copy_blocks(cache[name], index, stage.transpose(0, 1),
+                                  self._positions[: len(group)])  # fmt: skip
                 for first, slot, count in _runs([slot for slot, _ in group]):
                     host[slot : slot + count].copy_(stage[first : first + count],
                                                     non_blocking=True)  # fmt: skip
 
     def _blocks_in(self, copies: list[tuple[int, int]], cache: KVCache) -> None:
         """Host slots to device blocks, a group at a time: one copy per run of consecutive
-        host slots into the staging buffer, then one scatter kernel per arena."""
+        host slots into the staging buffer, then one scatter launch per arena."""
         for group in _groups(copies, self._group):
             index = self._index([block for _, block in group])
             for name, host in self.arenas.items():
@@ -226,7 +234,8 @@ class HostMemoryTier(OffloadBackend):
                 for first, slot, count in _runs([slot for slot, _ in group]):
                     stage[first : first + count].copy_(host[slot : slot + count],
                                                        non_blocking=True)  # fmt: skip
-                cache[name].index_copy_(1, index, stage.transpose(0, 1))
+                self._copy_blocks(stage.transpose(0, 1), self._positions[: len(group)],
+                                  cache[name], index)  # fmt: skip
 
     @staticmethod
     def _stage(buffer: torch.Tensor, host: torch.Tensor, count: int) -> torch.Tensor:

@@ -189,10 +189,13 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
-            if restores or hit.state_load:  # it waits for its copies while the others run
+            if restores or hit.state_load:
                 states = [hit.state_load] if hit.state_load else []
                 step.restores.append((request, restores, states))
-                continue
+                if step.chunks or len(self.running) > 1 or self.waiting:
+                    continue  # it waits for its copies while the others run
+                # Alone: its step runs after the copies on the device (the engine orders it),
+                # so the host prepares and launches the step while the copies land.
             step.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return step
