@@ -12,7 +12,7 @@ so the engine brings pending tokens home first under async scheduling.
 from __future__ import annotations
 
 import json
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -96,18 +96,35 @@ class Grammars:
         return matcher
 
 
+@cache
+def _mask_executor() -> llguidance.LLExecutor:
+    """llguidance's thread pool (80% of the CPUs, up to 32): a batch's masks are computed in
+    parallel, outside the GIL."""
+    import llguidance
+
+    return llguidance.LLExecutor()
+
+
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list) -> torch.Tensor:
-    """Logits [B, V] with the tokens each matcher forbids at `rows` set to -inf (a copy)."""
+    """Logits [B, V] with the tokens each matcher forbids at `rows` set to -inf (a copy).
+
+    Called while the step's forward runs on the GPU: the masks are computed on the host in
+    parallel and reach the device by non-blocking copies, so the host never waits for the
+    forward here."""
     vocab = logits.shape[1]
     words = (vocab + 31) // 32
-    bitmask = torch.empty(len(rows), words, dtype=torch.int32)
-    for i, matcher in enumerate(matchers):
-        matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
-    if logits.is_cuda:
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    pinned = logits.is_cuda
+    bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=pinned)
+    _mask_executor().unsafe_compute_mask_ptr(
+        [(matcher, i) for i, matcher in enumerate(matchers)], bitmask.data_ptr(), words * 4,
+        len(rows),
+    )  # fmt: skip
+    index = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned)
+    if pinned:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        index = index.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
     masked = logits.clone()
-    index = torch.tensor(rows, device=logits.device)
     masked[index] = masked[index].masked_fill(~allowed, -torch.inf)
     return masked
