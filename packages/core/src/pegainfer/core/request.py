@@ -89,11 +89,6 @@ class Request:
             return self.stop_token_ids
         return frozenset()
 
-    def append_token(self, token_id: int, max_model_len: int) -> None:
-        """Record a sampled token and decide whether it ends the request."""
-        self.reserve_token()
-        self.commit_token(token_id, max_model_len)
-
     def reserve_token(self) -> None:
         """A step that samples this request's next token was launched; its id comes later."""
         self.token_ids.append(self.PENDING)
@@ -101,13 +96,12 @@ class Request:
 
     def commit_token(self, token_id: int, max_model_len: int) -> None:
         """The oldest pending token's id arrived: record it and decide whether it ends the
-        request (counting only tokens up to it, not those sampled after it)."""
+        request (counting only tokens up to it, not those sampled after it). Its grammar, if
+        any, has consumed the token already (the scheduler advances a batch's together)."""
         index = len(self.token_ids) - self.num_pending
         self.token_ids[index] = token_id
         self.num_pending -= 1
         outputs = index + 1 - self.num_prompt_tokens
-        if self.grammar is not None:
-            self.grammar.consume_token(token_id)
         if token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
             self.finish_reason, self.stop_token_id = "stop", token_id
         elif self.grammar is not None and self.grammar.is_stopped():

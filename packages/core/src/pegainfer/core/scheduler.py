@@ -18,6 +18,7 @@ from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.kv_offload import OffloadBackend
 from pegainfer.core.request import Request, RequestStatus
 from pegainfer.core.state_checkpoints import StateCheckpoints
+from pegainfer.core.structured_output import consume_tokens
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,13 @@ class Scheduler:
         """The step's sampled ids arrived (one per sampling chunk): record them, finish the
         requests they end; return the requests that got a token. A request aborted or finished
         while the step was in flight drops its token."""
+        sampled = list(sampled)
+        samplers = [chunk.request for chunk in step.chunks if chunk.samples]
+        grammars = [(r.grammar, token) for r, token in zip(samplers, sampled, strict=True)
+                    if r.grammar is not None
+                    and r.status is not RequestStatus.FINISHED]  # fmt: skip
+        if grammars:
+            consume_tokens(grammars)  # the batch's grammars advance together, in parallel
         tokens = iter(sampled)
         touched: list[Request] = []
         for chunk in step.chunks:

@@ -98,11 +98,17 @@ class Grammars:
 
 @cache
 def _mask_executor() -> llguidance.LLExecutor:
-    """llguidance's thread pool (80% of the CPUs, up to 32): a batch's masks are computed in
-    parallel, outside the GIL."""
+    """llguidance's thread pool (80% of the CPUs, up to 32): a batch's masks are computed and
+    its sampled tokens consumed in parallel, outside the GIL."""
     import llguidance
 
     return llguidance.LLExecutor()
+
+
+def consume_tokens(pairs: list[tuple[llguidance.LLMatcher, int]]) -> None:
+    """Advance each matcher by its sampled token, in parallel. A token the grammar forbids
+    (it cannot happen: the mask excluded it) leaves the matcher in its error state."""
+    _mask_executor().consume_token_par(pairs)
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list) -> torch.Tensor:
