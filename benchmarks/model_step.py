@@ -182,7 +182,8 @@ def decode_step_time(
     bucket = min(b for b in graphs.buckets if b >= batch)
     replay = cuda_time(graphs._graphs[bucket].replay)
     if profile_dir is not None:
-        profile_steps(engine, profile_dir / f"profile_b{batch}.txt", engine.step)
+        suffix = f"_constrained{constrained:g}" if constrained else ""
+        profile_steps(engine, profile_dir / f"profile_b{batch}{suffix}.txt", engine.step)
     mixed = None
     if mixed_prompt:
         # A serving step under load: the same decodes plus one new prompt prefilled whole
@@ -283,8 +284,9 @@ def main() -> None:
         help="also time decode steps that prefill one new prompt of this many tokens",
     )  # fmt: skip
     parser.add_argument(
-        "--constrained", type=float, default=0.0,
-        help="fraction of each decode batch generating under a JSON-schema grammar",
+        "--constrained", type=lambda text: [float(f) for f in text.split(",")], default=[0.0],
+        help="fraction of each decode batch generating under a JSON-schema grammar; several "
+        "(e.g. 0,0.5,0,0.5) time each batch once per fraction, in that order, on one engine",
     )  # fmt: skip
     parser.add_argument(
         "--async-scheduling", action="store_true",
@@ -348,18 +350,17 @@ def main() -> None:
     embed_bytes = 0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size * 2
     streamed = weight_bytes - embed_bytes
     decode = []
-    for batch in batches:
+    for batch, constrained in itertools.product(batches, args.constrained):
         profile_dir = args.out.parent if batch in profiled else None
         step, replay, mixed = decode_step_time(
-            engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt,
-            args.constrained,
+            engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt, constrained,
         )  # fmt: skip
         kv = batch * ((args.context + args.steps // 2) * kv_bytes_per_token + state_bytes_per_seq)
         limit = (streamed + kv) / bandwidth
         decode.append({
-            "batch": batch, "step_ms": step * 1e3, "forward_replay_ms": replay * 1e3,
-            "hbm_limit_ms": limit * 1e3, "fraction_of_limit": limit / step,
-            "tokens_per_s": batch / step,
+            "batch": batch, "constrained_fraction": constrained, "step_ms": step * 1e3,
+            "forward_replay_ms": replay * 1e3, "hbm_limit_ms": limit * 1e3,
+            "fraction_of_limit": limit / step, "tokens_per_s": batch / step,
         })  # fmt: skip
         if mixed is not None:
             decode[-1]["step_with_prefill_ms"] = mixed * 1e3
@@ -398,7 +399,7 @@ def main() -> None:
         "weight_bytes": weight_bytes, "state_bytes_per_seq_step": state_bytes_per_seq,
         "engine_load_s": load_s,
         "num_kv_blocks": engine.config.num_kv_blocks, "async_scheduling": args.async_scheduling,
-        "constrained_fraction": args.constrained,
+        "constrained_fractions": args.constrained,
         "decode": decode, "prefill": prefill,
         "prefix_hit": prefix_hit,
     }  # fmt: skip
