@@ -16,6 +16,9 @@ per expert.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,9 +97,27 @@ class Expert(nn.Module):
         return F.linear(activation.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
 
 
+class RoutedExperts(nn.Module):
+    """This rank's routed experts, `first`.. `first + count - 1`, stacked: `gate_up_proj`
+    holds expert i's fused gate/up rows at [i * 2I, (i + 1) * 2I), `down_proj` its down rows
+    at [i * H, (i + 1) * H) (2-D, so the loader fills each expert's rows like any fused
+    matrix's; `stacked()` gives the [experts, ...] views the MoE ops read)."""
+
+    def __init__(self, hidden: int, inter: int, count: int, first: int) -> None:
+        super().__init__()
+        self.hidden, self.inter, self.count, self.first = hidden, inter, count, first
+        self.gate_up_proj = empty_param(count * 2 * inter, hidden)
+        self.down_proj = empty_param(count * hidden, inter)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up [experts, 2I, H] and down [experts, H, I]."""
+        return (self.gate_up_proj.view(self.count, 2 * self.inter, self.hidden),
+                self.down_proj.view(self.count, self.hidden, self.inter))  # fmt: skip
+
+
 class Experts(nn.Module):
-    """Routed experts beside always-on shared ones; this rank holds experts `first`.. of the
-    routed ones and its share of the shared ones' width."""
+    """Routed experts beside always-on shared ones; this rank holds a range of the routed
+    ones and its share of the shared ones' width."""
 
     def __init__(self, cfg: DeepseekConfig, group: parallel.ParallelGroup) -> None:
         super().__init__()
@@ -104,23 +125,29 @@ class Experts(nn.Module):
         self.group = group
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         local = cfg.num_experts // group.world_size
-        self.first = group.rank * local
         self.gate = empty_param(cfg.num_experts, h)
-        self.experts = nn.ModuleList(Expert(h, inter) for _ in range(local))
+        self.experts = RoutedExperts(h, inter, local, group.rank * local)
         self.shared_experts = Expert(h, inter * cfg.num_shared_experts // group.world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, experts = self.cfg, self.experts
         weights, chosen = ops.route(
             x, self.gate, cfg.num_experts_per_tok, cfg.topk_method, cfg.n_group, cfg.topk_group,
             cfg.routed_scaling_factor,
         )  # fmt: skip
-        gate_up = [e.gate_up_proj for e in self.experts]
-        down = [e.down_proj for e in self.experts]
-        routed = ops.moe(x, weights, chosen, gate_up, down, self.first)
+        moe = _fused_moe() if x.is_cuda else ops.moe
+        routed = moe(x, weights, chosen, *experts.stacked(), experts.first)
         shared = self.shared_experts
         h = activation.silu_and_mul(F.linear(x, shared.gate_up_proj))
         return self.group.all_reduce(routed + F.linear(h, shared.down_proj))
+
+
+@cache
+def _fused_moe() -> Callable[..., torch.Tensor]:
+    """The Triton MoE (imported on first use: the CPU path needs no Triton)."""
+    from pegainfer.models.deepseek.kernels import fused_moe
+
+    return fused_moe
 
 
 class DenseMLP(Expert):
@@ -204,13 +231,21 @@ class DeepseekV2ForCausalLM(Model):
             return WeightTarget(path, rows=vocab)
         module, _, leaf = path.rpartition(".")
         parts = path.split(".")
-        if ".experts." in path:  # layers.N.mlp.experts.E.leaf: only this rank's experts
-            local = int(parts[4]) - self.layers[int(parts[1])].mlp.first
-            if not 0 <= local < len(self.layers[int(parts[1])].mlp.experts):
-                return None
-            module = ".".join([*parts[:4], str(local)])
-            inter, split = cfg.moe_intermediate_size, None
-        elif module.endswith("shared_experts"):
+        if ".experts." in path:  # layers.N.mlp.experts.E.leaf: this rank's experts, stacked
+            if leaf not in ("gate_proj", "up_proj", "down_proj"):
+                return WeightTarget(path)  # not a layout we know: the loader reports it
+            experts = self.layers[int(parts[1])].mlp.experts
+            local = int(parts[4]) - experts.first
+            if not 0 <= local < experts.count:
+                return None  # another rank's expert
+            stacked = ".".join(parts[:4])
+            if leaf == "down_proj":
+                h = cfg.hidden_size
+                return WeightTarget(f"{stacked}.down_proj", local * h, h)
+            inter = cfg.moe_intermediate_size
+            offset = local * 2 * inter + (0 if leaf == "gate_proj" else inter)
+            return WeightTarget(f"{stacked}.gate_up_proj", offset, inter)
+        if module.endswith("shared_experts"):
             inter = cfg.moe_intermediate_size * cfg.num_shared_experts // self.group.world_size
             split = mine(inter)
         elif module.endswith("mlp") and leaf in ("gate_proj", "up_proj", "down_proj"):

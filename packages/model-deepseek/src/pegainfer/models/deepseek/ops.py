@@ -156,17 +156,17 @@ def moe(
     x: torch.Tensor,
     weights: torch.Tensor,
     experts: torch.Tensor,
-    gate_up: list[torch.Tensor],
-    down: list[torch.Tensor],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
     first: int = 0,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), expert by expert (SwiGLU), over the
-    experts held here: `gate_up[i]`/`down[i]` are expert `first + i`'s (expert parallelism
-    holds a range; the others' terms come from other ranks)."""
+    experts held here: `gate_up[i]` [2I, H] and `down[i]` [H, I] are expert `first + i`'s
+    (expert parallelism holds a range; the others' terms come from other ranks)."""
     out = torch.zeros_like(x)
     for expert in experts.unique().tolist():
         local = expert - first
-        if not 0 <= local < len(gate_up):
+        if not 0 <= local < gate_up.shape[0]:
             continue
         token, slot = (experts == expert).nonzero(as_tuple=True)
         gate, up = F.linear(x[token], gate_up[local]).chunk(2, dim=-1)
