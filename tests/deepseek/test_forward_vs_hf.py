@@ -67,22 +67,3 @@ def test_the_tiny_writers_checkpoint_is_the_published_layout(tmp_path):
     ours, hf = load_ours(tmp_path), load_hf(tmp_path)
     tokens = random_tokens(33, 9, 200)
     assert_close(PagedRunner(ours).step({"a": tokens})["a"], hf_logits(hf, tokens))
-
-
-@pytest.mark.parametrize("seq_len", [1, 9, 40])
-def test_absorbed_decode_equals_expanded_attention(seq_len):
-    """The decode form (up-projections absorbed into the query and output) computes the
-    expanded form's attention for a one-token query (float64, so only the algebra differs)."""
-    import torch
-
-    from pegainfer.models.deepseek import ops
-
-    g = torch.Generator().manual_seed(seq_len)
-    heads, nope, rope_dim, rank, v = 4, 16, 8, 32, 16
-    q_nope, q_pe = (torch.randn(1, heads, d, generator=g, dtype=torch.float64)
-                    for d in (nope, rope_dim))  # fmt: skip
-    c = torch.randn(seq_len, rank, generator=g, dtype=torch.float64)
-    k_pe = torch.randn(seq_len, rope_dim, generator=g, dtype=torch.float64)
-    w = torch.randn(heads, nope + v, rank, generator=g, dtype=torch.float64) * 0.3
-    args = (q_nope, q_pe, c, k_pe, w[:, :nope], w[:, nope:], 0.2)
-    assert torch.allclose(ops.absorbed_attention(*args), ops.expanded_attention(*args), atol=1e-12)

@@ -60,7 +60,7 @@ class TorchPagedAttention(PagedAttention):
 
 
 @dataclass
-class _PagedIndex:
+class PagedIndex:
     """FlashInfer's description of the pages each sequence reads (int32)."""
 
     kv_indptr: torch.Tensor  # [B + 1] host
@@ -68,7 +68,7 @@ class _PagedIndex:
     last_page_len: torch.Tensor  # [B] host
 
     @classmethod
-    def of(cls, batch: ForwardBatch, device: torch.device) -> _PagedIndex:
+    def of(cls, batch: ForwardBatch, device: torch.device) -> PagedIndex:
         bs = batch.block_size
         pages = [(n + bs - 1) // bs for n in batch.seq_lens_cpu]
         indices = [
@@ -135,7 +135,7 @@ class FlashInferPagedAttention(PagedAttention):
 
     def plan(self, batch: ForwardBatch) -> None:
         self._await_previous_plan()
-        index = _PagedIndex.of(batch, self.device)
+        index = PagedIndex.of(batch, self.device)
         qo_indptr = batch.query_start_loc_cpu.pin_memory()
         s = self.shape
         self._prefill.plan(
@@ -157,7 +157,7 @@ class FlashInferPagedAttention(PagedAttention):
 
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
         self._await_previous_plan()
-        index = _PagedIndex.of(batch, self.device)
+        index = PagedIndex.of(batch, self.device)
         s = self.shape
         wrapper = self._graph_decode[bucket]
         wrapper.plan(

@@ -98,28 +98,30 @@ def dispatch(
     """(token, choice) pairs, flattened token-major, sorted by local expert with each expert's
     run padded to `block_m` rows: `sorted_pairs` [blocks * block_m] (the sentinel `pairs` past
     a run's end) and `block_expert` [blocks] (-1 for blocks past the last run). Pairs routed
-    outside `first`.. `first + num_experts - 1` are left out."""
-    pairs = experts.numel()
+    outside `first`.. `first + num_experts - 1` are left out. Shapes depend on the number of
+    pairs only and nothing reads device values on the host, so a CUDA graph can capture it."""
+    pairs, device = experts.numel(), experts.device
     local = experts.flatten() - first
     local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, local, torch.ones_like(local))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = torch.argsort(local, stable=True)
     expert_of = local[order]
-    kept = expert_of < num_experts
-    # Position of each sorted pair within its expert's run, then in the padded list (the
-    # pairs left out get a position too, never used).
+    # Position of each sorted pair within its expert's run, then in the padded list; the
+    # pairs left out all go to one extra slot past the end, dropped below.
     owner = expert_of.clamp(max=num_experts - 1)
-    slot = torch.arange(pairs, device=experts.device) - (counts.cumsum(0) - counts)[owner]
-    dest = (padded_end - padded)[owner] + slot
+    slot = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[owner]
     blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
-    sorted_pairs = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=experts.device)
-    sorted_pairs[dest[kept]] = order[kept].to(torch.int32)
-    block_start = torch.arange(blocks, device=experts.device) * block_m
+    dest = torch.where(expert_of < num_experts, (padded_end - padded)[owner] + slot,
+                       blocks * block_m)  # fmt: skip
+    sorted_pairs = torch.full((blocks * block_m + 1,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_pairs, block_expert
+    return sorted_pairs[:-1], block_expert
 
 
 def fused_moe(

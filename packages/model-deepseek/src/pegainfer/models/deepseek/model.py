@@ -6,12 +6,13 @@ of the dense and shared MLPs' width and of the vocabulary, and a range of the ro
 (expert parallelism: every rank routes every token, computes its experts' terms, and one
 all-reduce sums routed and shared outputs); the latent cache is whole on every rank.
 
-The torch reference path, following transformers' `DeepseekV2ForCausalLM` op for op: each
-cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per layer)
-and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA kernels read;
-prefill expands them per head, decode absorbs the up-projections instead
-(`ops.mla_attention`). Experts keep their own fused gate/up matrices, as checkpoints store them
-per expert.
+Each cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per
+layer) and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA
+kernels read. Attention always runs in the absorbed form (`core.latent_attention`: the key
+up-projection folded into the query, the value one applied to the latent output), prefill and
+decode alike: FlashInfer's MLA on CUDA for V2/V3 latent sizes, the torch reference otherwise;
+it equals transformers' expanded form in exact arithmetic. Routed experts are stacked
+(`RoutedExperts`): a fused Triton MoE on CUDA (`kernels`), expert by expert on the CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 from pegainfer.core import parallel
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
+from pegainfer.core.latent_attention import LatentShape, PagedLatentAttention, make_latent_attention
 from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import activation, rms_norm
 from pegainfer.core.weights import WeightTarget, empty_param
@@ -62,6 +64,7 @@ class LatentAttention(nn.Module):
         ckv: torch.Tensor,
         kpe: torch.Tensor,
         rope: ops.InterleavedRope,
+        attn: PagedLatentAttention,
     ) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
         if cfg.q_lora_rank is None:
@@ -81,9 +84,12 @@ class LatentAttention(nn.Module):
         q_pe = rope.apply(q_pe, batch.positions)
         k_pe = rope.apply(k_pe[:, None], batch.positions)[:, 0]
         ops.write_latent(ckv, kpe, c, k_pe, batch)
-        out = ops.mla_attention(
-            q_nope, q_pe, ckv, kpe, self.kv_b_proj, batch, cfg.v_head_dim, cfg.softmax_scale
-        )
+        # Absorbed: W_uk folds into the query, W_uv applies to the latent output.
+        w = self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        latent = attn.run(q_latent.contiguous(), q_pe.contiguous(), ckv, kpe)
+        out = torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
 
 
@@ -190,6 +196,12 @@ class DeepseekV2ForCausalLM(Model):
         self.norm = empty_param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
         self.rope: ops.InterleavedRope | None = None
+        self.latent_shape = LatentShape(
+            cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale
+        )
+        # Decode graphs need FlashInfer's MLA (the reference attention plans on the host).
+        self.supports_cuda_graphs = self.latent_shape.flashinfer_supported
+        self.attn: PagedLatentAttention | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -207,11 +219,19 @@ class DeepseekV2ForCausalLM(Model):
         ]
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
-        device = self.embed_tokens.device
+        device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
         self.rope = ops.InterleavedRope(self.cfg.rope, runtime.max_model_len, device)
+        self.attn = make_latent_attention(
+            self.latent_shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
+        )
 
     def prepare(self, batch: ForwardBatch) -> None:
-        pass  # the reference attention plans nothing
+        assert self.attn is not None, "init_runtime() must run before the first step"
+        self.attn.plan(batch)
+
+    def prepare_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        assert self.attn is not None, "init_runtime() must run before the first step"
+        self.attn.plan_graph(batch, bucket)
 
     def checkpoint_name_map(self, name: str) -> WeightTarget | None:
         """Map a Hugging Face checkpoint tensor name to our (fused) parameter, and to the
@@ -274,7 +294,7 @@ class DeepseekV2ForCausalLM(Model):
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = rms_norm.add_rms_norm(hidden, residual, layer.input_layernorm, eps)
-            hidden = layer.self_attn(x, batch, ckv[index], kpe[index], rope)
+            hidden = layer.self_attn(x, batch, ckv[index], kpe[index], rope, self.attn)
             x, residual = rms_norm.add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, eps
             )

@@ -3,11 +3,9 @@ yardstick), following transformers' `modeling_deepseek_v2` casts.
 
 - YaRN inverse frequencies and RoPE on interleaved pairs (x0, x1), (x2, x3), ... of the 64
   rotary dims, as transformers' complex multiplication does it, in float32.
-- MLA attention over the paged latent cache: each cached token holds its normalised latent c
-  [kv_lora_rank] (the `ckv` arena) and its roped k_pe [rope dims] (the `kpe` arena), shared by
-  all heads. Prefill chunks use the expanded form, K = [W_uk c | k_pe] and V = W_uv c per head;
-  decode rows the absorbed form, which never expands the cache: q' = W_ukᵀ q_nope per head,
-  scores q'·c + q_pe·k_pe, output W_uv (Σ p c). The two are equal in exact arithmetic.
+- Writing a step's latents: each cached token holds its normalised latent c [kv_lora_rank]
+  (the `ckv` arena) and its roped k_pe [rope dims] (the `kpe` arena), shared by all heads
+  (attention over them is core's, `core.latent_attention`).
 - Softmax top-k routing without renormalisation, and the experts' SwiGLU.
 """
 
@@ -72,62 +70,6 @@ def write_latent(
     offsets = batch.slot_mapping % batch.block_size
     ckv_layer[blocks, offsets] = c.to(ckv_layer.dtype)
     kpe_layer[blocks, offsets] = k_pe.to(kpe_layer.dtype)
-
-
-def mla_attention(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    ckv_layer: torch.Tensor,
-    kpe_layer: torch.Tensor,
-    kv_b_proj: torch.Tensor,
-    batch: ForwardBatch,
-    v_head_dim: int,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of q [tokens, heads, nope | rope] over each sequence's cached latents,
-    kv_b_proj [heads * (nope + v), kv_lora_rank] giving W_uk and W_uv; out [tokens, heads, v].
-    One-token queries (decode) take the absorbed form, longer ones the expanded form."""
-    tokens, heads, nope = q_nope.shape
-    out = torch.empty(tokens, heads, v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
-    w = kv_b_proj.view(heads, nope + v_head_dim, -1)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [heads, nope, rank], [heads, v, rank]
-    bs, start = batch.block_size, 0
-    for q_len, seq_len, table in zip(
-        batch.query_lens_cpu, batch.seq_lens_cpu, batch.block_tables_cpu, strict=True
-    ):
-        blocks = torch.tensor(table[: (seq_len + bs - 1) // bs], device=q_nope.device)
-        c = ckv_layer[blocks].flatten(0, 1)[:seq_len].to(q_nope.dtype)
-        k_pe = kpe_layer[blocks].flatten(0, 1)[:seq_len].to(q_nope.dtype)
-        rows = slice(start, start + q_len)
-        if q_len == 1:
-            out[rows] = absorbed_attention(q_nope[rows], q_pe[rows], c, k_pe, w_uk, w_uv, scale)
-        else:
-            out[rows] = expanded_attention(q_nope[rows], q_pe[rows], c, k_pe, w_uk, w_uv, scale)
-        start += q_len
-    return out
-
-
-def expanded_attention(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale) -> torch.Tensor:
-    """Causal attention of one sequence's query rows [q, heads, .] (the last q positions) over
-    its latents c [seq, rank] and keys k_pe [seq, rope], expanded per head by w_uk, w_uv."""
-    q_len, seq_len, heads = q_nope.shape[0], c.shape[0], q_nope.shape[1]
-    k = torch.cat((torch.einsum("sr,hnr->shn", c, w_uk), k_pe[:, None].expand(-1, heads, -1)), -1)
-    v = torch.einsum("sr,hvr->shv", c, w_uv)
-    q = torch.cat((q_nope, q_pe), dim=-1)
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-    attn = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=scale
-    )
-    return attn.transpose(0, 1)
-
-
-def absorbed_attention(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale) -> torch.Tensor:
-    """One query row [1, heads, .] against every cached token."""
-    q_latent = torch.einsum("hn,hnr->hr", q_nope[0], w_uk)  # [heads, rank]
-    scores = (q_latent @ c.t() + q_pe[0] @ k_pe.t()) * scale  # [heads, seq]
-    mixed = scores.float().softmax(dim=-1).to(c.dtype) @ c  # [heads, rank]
-    return torch.einsum("hr,hvr->hv", mixed, w_uv)[None]
 
 
 def route(
