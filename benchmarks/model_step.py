@@ -33,11 +33,16 @@ from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampler import sample_requests
 from pegainfer.core.sampling_params import SamplingParams
 from pegainfer.core.structured_output import StructuredOutput
-from pegainfer.server.bench.make_checkpoint import QWEN35_SHAPES, SHAPES, write_weights
+from pegainfer.server.bench.make_checkpoint import (
+    DEEPSEEK_SHAPES,
+    QWEN35_SHAPES,
+    SHAPES,
+    write_weights,
+)
 from pegainfer.server.bench.report import git_revision
 
-# Prompts are drawn from the ids every shape's vocabulary has (Qwen3's).
-VOCAB = 151936
+# Prompt ids are drawn below this (and below the model's vocabulary).
+VOCAB = 100000
 
 
 def cuda_time(fn, iters: int = 20) -> float:
@@ -270,7 +275,9 @@ def prefix_hit_time(engine: EngineCore, tokens: int, reps: int, profile_path: Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--shape", choices=sorted(SHAPES) + sorted(QWEN35_SHAPES), default="qwen3-4b"
+        "--shape",
+        choices=sorted(SHAPES) + sorted(QWEN35_SHAPES) + sorted(DEEPSEEK_SHAPES),
+        default="qwen3-4b",
     )
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--context", type=int, default=1024)
@@ -349,6 +356,16 @@ def main() -> None:
     vocab = model.vocab_size
     embed_bytes = 0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size * 2
     streamed = weight_bytes - embed_bytes
+    # MoE: a step reads only the routed experts its tokens chose. Random weights route about
+    # uniformly: of E experts with k per token, a batch of B touches E(1 - (1 - k/E)^B).
+    routed_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                       if ".mlp.experts." in name)  # fmt: skip
+    experts, top_k = getattr(cfg, "num_experts", 0), getattr(cfg, "num_experts_per_tok", 0)
+
+    def read_bytes(batch: int) -> float:
+        untouched = (1 - top_k / experts) ** batch if experts else 0.0
+        return streamed - routed_bytes * untouched
+
     decode = []
     for batch, constrained in itertools.product(batches, args.constrained):
         profile_dir = args.out.parent if batch in profiled else None
@@ -356,7 +373,7 @@ def main() -> None:
             engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt, constrained,
         )  # fmt: skip
         kv = batch * ((args.context + args.steps // 2) * kv_bytes_per_token + state_bytes_per_seq)
-        limit = (streamed + kv) / bandwidth
+        limit = (read_bytes(batch) + kv) / bandwidth
         decode.append({
             "batch": batch, "constrained_fraction": constrained, "step_ms": step * 1e3,
             "forward_replay_ms": replay * 1e3, "hbm_limit_ms": limit * 1e3,
@@ -365,12 +382,18 @@ def main() -> None:
         if mixed is not None:
             decode[-1]["step_with_prefill_ms"] = mixed * 1e3
         print(decode[-1], flush=True)
-    matmul_params = streamed - vocab * cfg.hidden_size * 2  # the LM head runs for one row
+    # Active weights per token (the LM head runs for one row; k of E routed experts).
+    matmul_params = streamed - vocab * cfg.hidden_size * 2
+    matmul_params -= routed_bytes * (1 - top_k / experts) if experts else 0
+    # Attention width per head: MLA runs absorbed (scores over latent + rope key, output in
+    # the latent), GQA over head_dim.
+    head_width = getattr(cfg, "head_dim", None) or (
+        cfg.kv_lora_rank + (cfg.kv_lora_rank + cfg.qk_rope_head_dim)) / 2  # fmt: skip
     prefill = []
     for tokens in prefills:
         t = prefill_time(engine, tokens)
         # Causal QK and PV of the full-attention layers.
-        attn = 2 * attention_layers * cfg.num_heads * cfg.head_dim * tokens * tokens
+        attn = 2 * attention_layers * cfg.num_heads * head_width * tokens * tokens
         flop = 2 * (matmul_params / 2) * tokens + attn
         prefill.append({"tokens": tokens, "time_ms": t * 1e3, "tflops": flop / t / 1e12,
                         "fraction_of_matmul_rate": flop / t / flops})  # fmt: skip
@@ -389,7 +412,8 @@ def main() -> None:
 
     revision = args.revision or git_revision()
     result = {
-        "shape": args.shape, "config": SHAPES.get(args.shape) or QWEN35_SHAPES[args.shape],
+        "shape": args.shape,
+        "config": (SHAPES | QWEN35_SHAPES | DEEPSEEK_SHAPES)[args.shape],
         "revision": revision,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "measured_copy_bandwidth_GBps": bandwidth / 1e9,

