@@ -98,7 +98,9 @@ class HostMemoryTier(OffloadBackend):
 
     Stores and loads run on two side streams. A store that reuses an evicted slot first waits
     for the loads still reading that slot, so a restore racing an eviction reads the old block;
-    a step waits only for the stores of device blocks it was handed again.
+    a load first waits for the stores still writing the slots it reads (a prefix stored one
+    step and restored the next); a step waits only for the stores of device blocks it was
+    handed again.
 
     Blocks cross in groups through a device staging buffer per direction (`staging_bytes`,
     taken from the headroom memory sizing leaves): one copy per run of consecutive host slots
@@ -155,9 +157,7 @@ class HostMemoryTier(OffloadBackend):
         self._device = device if cuda else None
         self._store_stream = torch.cuda.Stream(device) if cuda else None
         self._load_stream = torch.cuda.Stream(device) if cuda else None
-        self._reading: dict[int, torch.cuda.Event] = {}  # slot -> the last load reading it
         self._storing: dict[int, torch.cuda.Event] = {}  # device block -> its store's event
-        self._reading_states: dict[int, torch.cuda.Event] = {}  # host state slot -> last load
         self._storing_slots: dict[int, torch.cuda.Event] = {}  # device state slot -> its store
 
     def __len__(self) -> int:
@@ -167,32 +167,27 @@ class HostMemoryTier(OffloadBackend):
         return self._blocks.touch(block_hash)
 
     def store(self, blocks: list[tuple[BlockHash, int]], cache: KVCache) -> None:
-        copies = self._claim(self._blocks, self._reading, blocks)
+        copies = self._claim(self._blocks, blocks)
         if not copies:
             return
         with self._on(self._store_stream):
             self._blocks_out(copies, cache)
-        self._record(self._storing, copies)
+        self._record(self._blocks, self._storing, copies)
 
     def contains_state(self, block_hash: BlockHash) -> bool:
         return self._states.touch(block_hash)
 
     def store_states(self, checkpoints: list[tuple[BlockHash, int]], cache: KVCache) -> None:
-        copies = self._claim(self._states, self._reading_states, checkpoints)
+        copies = self._claim(self._states, checkpoints)
         if not copies:
             return
         with self._on(self._store_stream):
             for slot, index in copies:  # a few per step, each a whole slot of every state
                 for name, arena in self.state_arenas.items():
                     arena[slot].copy_(cache[name][:, index], non_blocking=True)
-        self._record(self._storing_slots, copies)
+        self._record(self._states, self._storing_slots, copies)
 
-    def _claim(
-        self,
-        pool: _Pool,
-        reading: dict[int, torch.cuda.Event],
-        entries: list[tuple[BlockHash, int]],
-    ) -> list[tuple[int, int]]:
+    def _claim(self, pool: _Pool, entries: list[tuple[BlockHash, int]]) -> list[tuple[int, int]]:
         """Host slots for the entries not stored yet, (host slot, device index) pairs. A host
         slot still read by a load is overwritten only after it."""
         copies = []
@@ -200,16 +195,20 @@ class HostMemoryTier(OffloadBackend):
             if pool.touch(key):
                 continue
             slot = pool.take(key)
-            self._after(self._store_stream, reading.pop(slot, None))
+            self._after(self._store_stream, pool.reading.pop(slot, None))
             copies.append((slot, index))
         return copies
 
-    def _record(self, storing: dict[int, torch.cuda.Event], copies: list[tuple[int, int]]) -> None:
-        """Remember, per device index, the store that still reads it."""
+    def _record(
+        self, pool: _Pool, storing: dict[int, torch.cuda.Event], copies: list[tuple[int, int]]
+    ) -> None:
+        """Remember the store just queued: per device index, as still reading it; per host
+        slot, as still writing it (a load of that slot must come after)."""
         if self._store_stream is not None:
             event = torch.cuda.Event()
             event.record(self._store_stream)
             storing.update(dict.fromkeys((index for _, index in copies), event))
+            pool.writing.update(dict.fromkeys((slot for slot, _ in copies), event))
 
     def _blocks_out(self, copies: list[tuple[int, int]], cache: KVCache) -> None:
         """Device blocks to host slots, a group at a time: gather into the staging buffer,
@@ -256,14 +255,16 @@ class HostMemoryTier(OffloadBackend):
         cache: KVCache,
         states: list[tuple[BlockHash, int]] = (),
     ) -> Transfer:
-        slots, state_slots = [], []
-        for block_hash, block_id in blocks:
-            slots.append(self._blocks.get(block_hash))
-            # The target block's old contents may still be on their way out to the tier.
-            self._after(self._load_stream, self._storing.pop(block_id, None))
-        for block_hash, device_slot in states:
-            state_slots.append(self._states.get(block_hash))
-            self._after(self._load_stream, self._storing_slots.pop(device_slot, None))
+        slots = [self._blocks.get(block_hash) for block_hash, _ in blocks]
+        state_slots = [self._states.get(block_hash) for block_hash, _ in states]
+        # After the stores still writing the host slots it reads, and those still reading the
+        # device blocks and slots it overwrites (their old contents on the way out).
+        waits = [self._blocks.writing.get(slot) for slot in slots]
+        waits += [self._states.writing.get(slot) for slot in state_slots]
+        waits += [self._storing.pop(block, None) for _, block in blocks]
+        waits += [self._storing_slots.pop(slot, None) for _, slot in states]
+        for event in {id(e): e for e in waits if e is not None}.values():
+            self._after(self._load_stream, event)
         with self._on(self._load_stream):
             self._blocks_in(list(zip(slots, (block for _, block in blocks), strict=True)), cache)
             for slot, (_, device_slot) in zip(state_slots, states, strict=True):
@@ -273,8 +274,8 @@ class HostMemoryTier(OffloadBackend):
             return Transfer()
         event = torch.cuda.Event()
         event.record(self._load_stream)
-        self._reading.update(dict.fromkeys(slots, event))
-        self._reading_states.update(dict.fromkeys(state_slots, event))
+        self._blocks.reading.update(dict.fromkeys(slots, event))
+        self._states.reading.update(dict.fromkeys(state_slots, event))
         return Transfer(event)
 
     def ready(self, transfer: Transfer) -> bool:
@@ -330,11 +331,14 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class _Pool:
-    """Host slots by key, least recently used first, evicted when full."""
+    """Host slots by key, least recently used first, evicted when full; and, per slot, the
+    copies in flight on it (CUDA events): the last load reading it, the store writing it."""
 
     def __init__(self, capacity: int) -> None:
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()
         self._free = list(range(capacity - 1, -1, -1))
+        self.reading: dict[int, torch.cuda.Event] = {}
+        self.writing: dict[int, torch.cuda.Event] = {}
 
     def __len__(self) -> int:
         return len(self._slots)

@@ -28,8 +28,9 @@ from pegainfer.core import parallel
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.latent_attention import LatentShape, PagedLatentAttention, make_latent_attention
+from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.model_line import Model, RuntimeConfig
-from pegainfer.core.ops import activation, rms_norm
+from pegainfer.core.ops import rms_norm
 from pegainfer.core.weights import WeightTarget, empty_param
 from pegainfer.models.deepseek import ops
 from pegainfer.models.deepseek.config import DeepseekConfig
@@ -99,8 +100,9 @@ class Expert(nn.Module):
         self.gate_up_proj = empty_param(2 * inter, hidden)
         self.down_proj = empty_param(hidden, inter)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(activation.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+    def forward(self, x: torch.Tensor, elementwise: LayerOps) -> torch.Tensor:
+        h = elementwise.silu_and_mul(F.linear(x, self.gate_up_proj))
+        return F.linear(h, self.down_proj)
 
 
 class RoutedExperts(nn.Module):
@@ -135,7 +137,7 @@ class Experts(nn.Module):
         self.experts = RoutedExperts(h, inter, local, group.rank * local)
         self.shared_experts = Expert(h, inter * cfg.num_shared_experts // group.world_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, elementwise: LayerOps) -> torch.Tensor:
         cfg, experts = self.cfg, self.experts
         weights, chosen = ops.route(
             x, self.gate, cfg.num_experts_per_tok, cfg.topk_method, cfg.n_group, cfg.topk_group,
@@ -143,9 +145,7 @@ class Experts(nn.Module):
         )  # fmt: skip
         moe = _fused_moe() if x.is_cuda else ops.moe
         routed = moe(x, weights, chosen, *experts.stacked(), experts.first)
-        shared = self.shared_experts
-        h = activation.silu_and_mul(F.linear(x, shared.gate_up_proj))
-        return self.group.all_reduce(routed + F.linear(h, shared.down_proj))
+        return self.group.all_reduce(routed + self.shared_experts(x, elementwise))
 
 
 @cache
@@ -163,8 +163,8 @@ class DenseMLP(Expert):
         super().__init__(hidden, inter)
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = activation.silu_and_mul(F.linear(x, self.gate_up_proj))
+    def forward(self, x: torch.Tensor, elementwise: LayerOps) -> torch.Tensor:
+        h = elementwise.silu_and_mul(F.linear(x, self.gate_up_proj))
         return parallel.row_parallel_linear(h, self.down_proj, self.group)
 
 
@@ -202,6 +202,7 @@ class DeepseekV2ForCausalLM(Model):
         # Decode graphs need FlashInfer's MLA (the reference attention plans on the host).
         self.supports_cuda_graphs = self.latent_shape.flashinfer_supported
         self.attn: PagedLatentAttention | None = None
+        self.ops: LayerOps | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -224,6 +225,7 @@ class DeepseekV2ForCausalLM(Model):
         self.attn = make_latent_attention(
             self.latent_shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
         )
+        self.ops = layer_ops(device)
 
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
@@ -287,19 +289,19 @@ class DeepseekV2ForCausalLM(Model):
         return WeightTarget(f"{module}.gate_up_proj", offset, inter, rows=split)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        rope, cfg = self.rope, self.cfg
-        assert rope is not None, "init_runtime() must run before the first step"
+        rope, cfg, elementwise = self.rope, self.cfg, self.ops
+        assert rope is not None and elementwise is not None, "init_runtime() must run first"
         ckv, kpe, eps = kv_cache["ckv"], kv_cache["kpe"], cfg.rms_norm_eps
         hidden = parallel.vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.group)
         residual = None
         for index, layer in enumerate(self.layers):
-            x, residual = rms_norm.add_rms_norm(hidden, residual, layer.input_layernorm, eps)
+            x, residual = elementwise.add_rms_norm(hidden, residual, layer.input_layernorm, eps)
             hidden = layer.self_attn(x, batch, ckv[index], kpe[index], rope, self.attn)
-            x, residual = rms_norm.add_rms_norm(
+            x, residual = elementwise.add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, eps
             )
-            hidden = layer.mlp(x)
+            hidden = layer.mlp(x, elementwise)
         rows = batch.logits_indices
-        x, _ = rms_norm.add_rms_norm(hidden[rows], residual[rows], self.norm, eps)
+        x, _ = elementwise.add_rms_norm(hidden[rows], residual[rows], self.norm, eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return parallel.vocab_parallel_logits(x, head, self.group).float()

@@ -24,8 +24,9 @@ from pegainfer.core import parallel
 from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attention
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
+from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.model_line import Model, RuntimeConfig
-from pegainfer.core.ops import activation, rms_norm
+from pegainfer.core.ops import rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
 from pegainfer.core.weights import WeightTarget, empty_param
@@ -33,20 +34,17 @@ from pegainfer.models.qwen3.config import Qwen3Config
 
 
 @dataclass(frozen=True)
-class _Ops:
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    fused_qk: Callable[..., torch.Tensor] | None  # q/k norm + RoPE + KV write in one kernel
+class _Ops(LayerOps):
+    fused_qk: Callable[..., torch.Tensor] | None = None  # q/k norm + RoPE + KV write at once
 
 
 def _ops(device: torch.device) -> _Ops:
+    common = layer_ops(device)
     if device.type != "cuda":
-        return _Ops(rms_norm.add_rms_norm, activation.silu_and_mul, None)
-    from pegainfer.core.kernels import activation as fast_activation
-    from pegainfer.core.kernels import norm as fast_norm
+        return _Ops(common.add_rms_norm, common.silu_and_mul)
     from pegainfer.models.qwen3.kernels import qk_norm_rope_kv_write
 
-    return _Ops(fast_norm.add_rms_norm, fast_activation.silu_and_mul, qk_norm_rope_kv_write)
+    return _Ops(common.add_rms_norm, common.silu_and_mul, qk_norm_rope_kv_write)
 
 
 class Qwen3Layer(nn.Module):

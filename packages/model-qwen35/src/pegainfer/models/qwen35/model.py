@@ -15,7 +15,6 @@ in one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,8 +27,9 @@ from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attent
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec
+from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.model_line import Model, RuntimeConfig
-from pegainfer.core.ops import activation, rms_norm
+from pegainfer.core.ops import rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
 from pegainfer.core.weights import WeightTarget, empty_param
@@ -42,21 +42,6 @@ if TYPE_CHECKING:
 # Checkpoint prefixes of the decoder: VLM checkpoints nest it under the language model.
 _PREFIXES = ("model.language_model.", "model.")
 _IGNORED = ("model.visual.", "mtp.")
-
-
-@dataclass(frozen=True)
-class _Ops:
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _ops(device: torch.device) -> _Ops:
-    if device.type != "cuda":
-        return _Ops(rms_norm.add_rms_norm, activation.silu_and_mul)
-    from pegainfer.core.kernels import activation as fast_activation
-    from pegainfer.core.kernels import norm as fast_norm
-
-    return _Ops(fast_norm.add_rms_norm, fast_activation.silu_and_mul)
 
 
 @dataclass(frozen=True)
@@ -301,7 +286,7 @@ class Qwen35Layer(nn.Module):
         self.gate_up_proj = empty_param(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = empty_param(cfg.hidden_size, cfg.intermediate_size)
 
-    def mlp(self, x: torch.Tensor, ops: _Ops) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         h = ops.silu_and_mul(F.linear(x, self.gate_up_proj))
         return parallel.row_parallel_linear(h, self.down_proj, self.group)
 
@@ -326,7 +311,7 @@ class Qwen35ForCausalLM(Model):
                              for n, i in enumerate(layers)}  # fmt: skip
         self.rope: RotaryEmbedding | None = None
         self.attn: PagedAttention | None = None
-        self.ops: _Ops | None = None
+        self.ops: LayerOps | None = None
         self._decode_bounds: torch.Tensor | None = None
         # The step `prepare`/`prepare_graph` planned: the DeltaNet kernels' walk (CUDA), and
         # whether it replays a graph (states then only continue: nothing to start).
@@ -364,7 +349,7 @@ class Qwen35ForCausalLM(Model):
         self.attn = make_paged_attention(
             shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
         )
-        self.ops = _ops(device)
+        self.ops = layer_ops(device)
         if runtime.graph_buckets:
             largest = max(runtime.graph_buckets)
             self._decode_bounds = torch.arange(largest + 1, dtype=torch.int32, device=device)
