@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.core.kv_offload import OffloadBackend
+from pegainfer.core.kv_offload import OffloadBackend, Transfer
 from tests.engine_harness import (
     both_schedulers,  # noqa: F401 (a fixture)
     drain,
@@ -136,8 +136,38 @@ class SlowLoads(OffloadBackend):
         self.inner.before_step(reused_blocks, reused_slots)
 
 
-def slow(engine, delay: int) -> None:
-    engine.offload = engine.scheduler.offload = SlowLoads(engine.offload, delay)
+class DeferredLoads(SlowLoads):
+    """As on a GPU: a load's copy happens only when it lands (the `delay`-th poll, or a wait
+    ordering later work after it); until then its target blocks hold garbage."""
+
+    def __init__(self, inner: OffloadBackend, delay: int) -> None:
+        super().__init__(inner, delay)
+        self.pending = {}
+
+    def load(self, blocks, cache, states=()):
+        for name in cache.arenas:
+            for _, block in blocks:
+                cache[name][:, block].fill_(1e3)
+        transfer = Transfer()
+        self.pending[id(transfer)] = (blocks, cache, states)
+        return transfer
+
+    def _land(self, transfer) -> None:
+        if (pending := self.pending.pop(id(transfer), None)) is not None:
+            self.inner.load(*pending)
+
+    def ready(self, transfer):
+        if super().ready(transfer):
+            self._land(transfer)
+            return True
+        return False
+
+    def wait(self, transfer):
+        self._land(transfer)
+
+
+def slow(engine, delay: int, backend: type[SlowLoads] = SlowLoads) -> None:
+    engine.offload = engine.scheduler.offload = backend(engine.offload, delay)
 
 
 def test_other_requests_run_while_a_restore_is_in_flight(setup):
@@ -184,3 +214,20 @@ def test_abort_while_the_blocks_are_arriving(setup):
     assert run(engine, "after", prompts["r"])[0] == cold["r"]
     assert engine.block_manager.usage == 0.0
     engine.block_manager.check_invariants()
+
+
+def test_a_prompt_hitting_blocks_still_being_restored_waits_for_their_copy(setup):
+    """Two prompts with p's prefix arrive together while p's blocks are only in the host tier:
+    the first restores them (and they join the device prefix cache at once), the second hits
+    them there; its step must run after the copy lands."""
+    path, prompts, cold = setup
+    engine = offload_engine(path)
+    run(engine, "p1", prompts["p"])
+    for name in ("q", "r", "s"):  # push p's blocks out of the 40-block device pool
+        run(engine, name, prompts[name])
+    slow(engine, delay=3, backend=DeferredLoads)
+    submit(engine, "a", prompts["p"], greedy(NEW))
+    submit(engine, "b", prompts["p"], greedy(NEW))
+    assert drain(engine) == {"a": cold["p"], "b": cold["p"]}
+    counters = engine.scheduler.counters
+    assert counters.prefix_hits_host > 0 and counters.prefix_hits >= 2 * 40  # b hit a's blocks

@@ -221,6 +221,7 @@ class EngineCore:
             tool_call_parser=line.tool_call_parser,
         )
         self.offload: HostMemoryTier | None = None
+        self._landing: dict[int, Request] = {}  # device block -> the request restoring it
         if args.kv_offload:
             self.offload = self._host_tier(args, specs, states, checkpoints, device)
         self.block_manager = BlockManager(
@@ -385,16 +386,29 @@ class EngineCore:
         step = self.scheduler.schedule()
         for request, blocks, states in step.restores:
             request.restore = self.offload.load(blocks, self.kv_cache, states)
+            self._landing.update(dict.fromkeys((block for _, block in blocks), request))
         for chunk in step.chunks:  # restored in this very step: compute after the copies land
             if chunk.request.restore is not None:
                 self.offload.wait(chunk.request.restore)
                 chunk.request.restore = None
+        if self._landing:
+            self._await_landing(step)
         launched = self._launch(step) if step.chunks else None
         if not self.async_scheduling:
             return self._commit(launched) if launched is not None else []
         outputs = early + (self._commit(self._in_flight) if self._in_flight is not None else [])
         self._in_flight = launched
         return outputs
+
+    def _await_landing(self, step: SchedulerStep) -> None:
+        """Restored blocks join the prefix cache at once, so another prompt can hit them while
+        their copy is still in flight: its step runs after that copy, on the device. Entries
+        go once their request's restore has settled (landed, or ordered before later work)."""
+        self._landing = {b: r for b, r in self._landing.items() if r.restore is not None}
+        owners = {id(r): r for chunk in step.chunks for block in chunk.request.block_ids
+                  if (r := self._landing.get(block)) is not None}  # fmt: skip
+        for owner in owners.values():
+            self.offload.wait(owner.restore)
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -12,7 +12,7 @@ in a second pool of the state arenas' slot shape.
 The tier sits behind `OffloadBackend`, so a store shared across machines can replace the
 in-process host memory without touching the scheduler. Loads are asynchronous: a restoring
 request waits (holding its blocks) while the others keep running, and computes once its blocks
-have landed.
+have landed; alone, it computes at once, its step ordered after the copies on the device.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class OffloadBackend(ABC):
 
     Loads are asynchronous: `load` returns a transfer that the scheduler polls with `ready`
     before the request computes; `wait` orders later GPU work after it without blocking the
-    host (for a request that leaves while its blocks are still arriving).
+    host (a request computing at once, one that leaves while its blocks are still arriving,
+    or another prompt hitting those blocks).
     """
 
     @abstractmethod

@@ -51,7 +51,8 @@ class SchedulerStep:
     preempted: list[Request] = field(default_factory=list)
     #: Requests admitted with blocks (and, for recurrent models, a state checkpoint) to copy
     #: back from the host tier: (prefix hash, device block) and (prefix hash, checkpoint slot)
-    #: pairs. They compute in a later step, once the copies have landed.
+    #: pairs. They compute in a later step, once the copies have landed, or, when nothing
+    #: else runs, in this one, ordered after the copies on the device.
     restores: list[tuple[Request, list[tuple[bytes, int]], list[tuple[bytes, int]]]] = field(
         default_factory=list
     )
