@@ -145,7 +145,9 @@ class HostMemoryTier(OffloadBackend):
         )
         largest = max(spec.bytes_per_block for spec in specs)
         self._group = max(1, min(capacity, staging_bytes // largest))
-        self._load_staging = torch.empty(self._group * largest, dtype=torch.uint8, device=device)
+        # Rounded to 16 bytes, so the buffer views as any arena's dtype.
+        staging = -(-self._group * largest // 16) * 16
+        self._load_staging = torch.empty(staging, dtype=torch.uint8, device=device)
         self._store_staging = torch.empty_like(self._load_staging)
         self._positions = torch.arange(self._group, device=device)  # rows of a staging buffer
         if cuda:

@@ -37,14 +37,16 @@ def copy_blocks(
     if dst.shape[2:] != block_shape or dst.shape[0] != src.shape[0] or dst.dtype != src.dtype:
         raise ValueError(f"blocks differ: {tuple(src.shape)} {src.dtype} -> "
                          f"{tuple(dst.shape)} {dst.dtype}")  # fmt: skip
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} targets")
+    if not len(src_blocks):
+        return
     for t in (src, dst):
         if not t[0, 0].is_contiguous():
             raise ValueError("a block's part of each layer must be contiguous")
     numel = block_shape.numel()
     block = min(4096, triton.next_power_of_2(numel))
     grid = (len(src_blocks), src.shape[0], triton.cdiv(numel, block))
-    if grid[0] == 0:
-        return
     _copy_blocks_kernel[grid](
         src, dst, src_blocks, dst_blocks, src.stride(0), src.stride(1), dst.stride(0),
         dst.stride(1), numel, BLOCK=block,

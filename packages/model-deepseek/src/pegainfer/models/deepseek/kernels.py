@@ -137,6 +137,8 @@ def fused_moe(
     tokens, top_k = experts.shape
     num_experts, hidden_size, inter = down.shape
     x = x.contiguous()
+    if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("expert weights must be row-major in their last dimension")
     pairs = tokens * top_k
     # Few rows per expert (decode) want short row blocks; prefill fills long ones.
     block_m = 16 if pairs <= 4 * num_experts else 64
