@@ -7,6 +7,8 @@ MoE structure (a dense first layer, top-k routed experts plus a shared one) at a
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import EngineCore
 from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.server.bench.make_checkpoint import DEEPSEEK_SHAPES
 from tests.deepseek.hf_reference import write_hf_checkpoint
 from tests.qwen3.golden_gate import (
     Case,
@@ -101,4 +104,100 @@ def test_small_golden_gate(small):
     r16, r32 = refs[torch.bfloat16], refs[torch.float32]
     print(json.dumps(judge(long_pass, r16[-1:], r32[-1:], check=False), indent=2))
     print(json.dumps(judge(passes, r16[:-1], r32[:-1]), indent=2))
+    judge(long_pass, r16[-1:], r32[-1:])
+
+
+# DeepSeek-V2-Lite's text config as transformers names it (make-checkpoint's shape, HF keys).
+V2_LITE = {k: v for k, v in DEEPSEEK_SHAPES["deepseek-v2-lite"].items()
+           if k not in ("rope_scaling", "torch_dtype")} | {
+    "rope_parameters": LITE_GEOMETRY["rope_parameters"], "topk_method": "greedy",
+    "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False}  # fmt: skip
+V2_LITE_LAYER_OUT, FINAL_NORM_GAIN = 0.01, 0.3
+
+
+def write_gate_checkpoint(path, config: dict, layer_out: float, seed: int = 0) -> None:
+    """A random `DeepseekV2ForCausalLM` (bf16) with the Qwen gates' recipe for peaked
+    distributions (`tests.qwen3.golden_gate.write_gate_checkpoint`): MLP and expert gate/up
+    halved, embedding std 1/sqrt(hidden), layer outputs (o, dense/shared/expert down) scaled by
+    `layer_out`, and an LM head equal to the embedding (its own parameter, as V2 unties them),
+    so each token's own logit stands above the bulk; the final norm's gain at 0.3 keeps that
+    logit near 14, where a bf16 step is 1/16 nat. Norms 1 + N(0, 0.1), a router spread enough
+    that tokens pick different experts."""
+    import transformers
+
+    cfg = transformers.DeepseekV2Config(**config, initializer_range=0.02, dtype="bfloat16",
+                                        bos_token_id=None, eos_token_id=None)  # fmt: skip
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # 15.7B parameters: never in float32 at once
+    try:
+        with torch.device("cuda"):
+            hf = transformers.DeepseekV2ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    hidden = cfg.hidden_size
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name == "model.norm.weight":
+                param.copy_(FINAL_NORM_GAIN * (1 + 0.1 * torch.randn_like(param)))
+            elif name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0, 2 * hidden**-0.5)
+            elif name.endswith(("gate_proj.weight", "up_proj.weight", "experts.gate_up_proj")):
+                param.mul_(0.5)
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                param.mul_(layer_out)
+        hf.model.embed_tokens.weight.normal_(0, hidden**-0.5)
+        hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
+    hf.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def v2_lite(tmp_path_factory):
+    """DeepSeek-V2-Lite shapes with random weights (written by transformers), or
+    DEEPSEEK_GATE_DIR."""
+    path = Path(os.environ.get("DEEPSEEK_GATE_DIR") or tmp_path_factory.mktemp("v2-lite"))
+    if not (path / "config.json").exists():
+        write_gate_checkpoint(path, V2_LITE, V2_LITE_LAYER_OUT, seed=0)
+    return path
+
+
+@pytest.mark.slow
+def test_golden_gate_at_deepseek_v2_lite_shapes(v2_lite):
+    """Batch 1 (twice, bit-identical), batch 9 in the 16-graph, a prefix hit, and a
+    4,500-token prompt, against transformers in bf16 and float32."""
+    path = v2_lite
+    cases = make_cases(27, vocab=V2_LITE["vocab_size"], max_prompt=256, decode=10, seed=0)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, V2_LITE["vocab_size"], (4510,), generator=g).tolist()
+    long = Case(tokens[:4500], tokens[4500:])
+    refs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        hf = hf_model(path, dtype)
+        refs[dtype] = [reference_logprobs(hf, c) for c in [*cases, long]]
+        del hf
+        torch.cuda.empty_cache()
+    engine = EngineCore(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
+                                   max_model_len=8192, max_num_seqs=16,
+                                   gpu_memory_utilization=0.6))  # fmt: skip
+    forcer = TeacherForcer(engine)
+    passes: dict[str, list[torch.Tensor]] = {"batch1_run1": [], "batch1_run2": []}
+    for case in cases[:9]:
+        first, second = forcer.run([case])[0], forcer.run([case])[0]
+        assert torch.equal(first, second), "batch-1 replay is not deterministic"
+        passes["batch1_run1"].append(first)
+        passes["batch1_run2"].append(second)
+    for name, cached in (("batch9_graph16", False), ("prefix_hit_batch9", True)):
+        passes[name] = []
+        for start in range(0, len(cases), 9):
+            passes[name] += forcer.run(cases[start : start + 9], cached_prefix=cached)
+    long_pass = {"prompt_4500": forcer.run([long])}
+    r16, r32 = refs[torch.bfloat16], refs[torch.float32]
+    out = Path(os.environ["GATE_JSON"]) if os.environ.get("GATE_JSON") else None
+    long_out = None if out is None else out.with_name(f"{out.stem}_prompt_4500.json")
+    # Both tables are written before either is checked.
+    print(json.dumps(judge(long_pass, r16[-1:], r32[-1:], long_out, check=False), indent=2))
+    print(json.dumps(judge(passes, r16[:-1], r32[:-1], out), indent=2))
     judge(long_pass, r16[-1:], r32[-1:])
