@@ -102,3 +102,14 @@ def test_a_dead_rank_fails_the_engine(checkpoint):
 def test_what_tensor_parallelism_does_not_cover_yet_is_refused(checkpoint, flag):
     with pytest.raises(ConfigError, match="tensor parallelism"):
         make_engine(checkpoint, tensor_parallel_size=2, **{flag: True})
+
+
+def test_nvlink_multicast_stays_off_unless_the_user_says_otherwise(monkeypatch):
+    from pegainfer.core.tensor_parallel import keep_multicast_off
+
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")  # the user's own choice
+    assert keep_multicast_off() == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0",
+    }

@@ -12,6 +12,7 @@ graphs and async scheduling across ranks are not built yet (docs/parallelism.md)
 from __future__ import annotations
 
 import atexit
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +30,17 @@ from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.core.parallel import ParallelGroup
 
 TIMEOUT = timedelta(seconds=60)
+# NVLink multicast (NCCL's NVLS algorithms, torch's symmetric-memory multicast) can take a
+# host's GPUs down; off unless the user sets these themselves.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def keep_multicast_off() -> dict[str, str]:
+    """Set the switches in `MULTICAST_OFF` that the environment leaves unset (the worker
+    processes inherit them); return the values in force."""
+    for key, value in MULTICAST_OFF.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in MULTICAST_OFF}
 
 
 class RankFailedError(PegainferError):
@@ -96,6 +108,7 @@ class TensorParallelRanks:
     """Rank 0's handle on the workers: start them, share the cache shape, broadcast plans."""
 
     def __init__(self, world: int, spec: WorkerSpec) -> None:
+        keep_multicast_off()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
