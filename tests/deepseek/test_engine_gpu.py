@@ -15,14 +15,16 @@ import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import EngineCore
-from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.server.bench.make_checkpoint import DEEPSEEK_SHAPES
 from tests.deepseek.hf_reference import write_hf_checkpoint
 from tests.qwen3.golden_gate import (
     Case,
     TeacherForcer,
+    assert_graph_replay_equals_eager,
     judge,
+    judge_with_long_prompt,
     make_cases,
+    real_shape_gate_passes,
     reference_logprobs,
     small_gate_passes,
 )
@@ -66,23 +68,7 @@ def test_the_engine_runs_flashinfer_mla_and_decode_graphs(small):
 
 
 def test_graph_replay_equals_eager_for_the_same_batch(small):
-    _, engine = small
-    forcer, bs, cuda = TeacherForcer(engine), engine.config.block_size, torch.device("cuda")
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 1, 33)]
-    tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
-    forcer._step(prompts, [0] * 5, tables, graphs=False)
-    batch = ForwardBatch.build([[7]] * 5, [len(p) for p in prompts], tables, [True] * 5, bs, cuda)
-    assert engine.graphs.can_run(batch)
-    replayed = engine.graphs.run(batch).clone()
-    padded = engine.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu, [])
-    for row, values in enumerate((batch.input_ids, batch.positions, batch.slot_mapping)):
-        engine.graphs._inputs[row, :5].copy_(values)
-    with torch.inference_mode():
-        engine.model.prepare_graph(padded, 8)
-        eager = engine.model(padded, engine.kv_cache)[:5]
-    assert torch.equal(replayed, eager)
-    for table in tables:
-        engine.block_manager.release(table)
+    assert_graph_replay_equals_eager(small[1])
 
 
 def test_small_golden_gate(small):
@@ -183,21 +169,7 @@ def test_golden_gate_at_deepseek_v2_lite_shapes(v2_lite):
                                    max_model_len=8192, max_num_seqs=16,
                                    gpu_memory_utilization=0.6))  # fmt: skip
     forcer = TeacherForcer(engine)
-    passes: dict[str, list[torch.Tensor]] = {"batch1_run1": [], "batch1_run2": []}
-    for case in cases[:9]:
-        first, second = forcer.run([case])[0], forcer.run([case])[0]
-        assert torch.equal(first, second), "batch-1 replay is not deterministic"
-        passes["batch1_run1"].append(first)
-        passes["batch1_run2"].append(second)
-    for name, cached in (("batch9_graph16", False), ("prefix_hit_batch9", True)):
-        passes[name] = []
-        for start in range(0, len(cases), 9):
-            passes[name] += forcer.run(cases[start : start + 9], cached_prefix=cached)
+    passes = real_shape_gate_passes(forcer, cases)
     long_pass = {"prompt_4500": forcer.run([long])}
-    r16, r32 = refs[torch.bfloat16], refs[torch.float32]
     out = Path(os.environ["GATE_JSON"]) if os.environ.get("GATE_JSON") else None
-    long_out = None if out is None else out.with_name(f"{out.stem}_prompt_4500.json")
-    # Both tables are written before either is checked.
-    print(json.dumps(judge(long_pass, r16[-1:], r32[-1:], long_out, check=False), indent=2))
-    print(json.dumps(judge(passes, r16[:-1], r32[:-1], out), indent=2))
-    judge(long_pass, r16[-1:], r32[-1:])
+    judge_with_long_prompt(passes, long_pass, refs[torch.bfloat16], refs[torch.float32], out)

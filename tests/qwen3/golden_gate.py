@@ -249,3 +249,60 @@ def small_gate_passes(forcer: TeacherForcer, cases: list[Case]) -> dict[str, lis
         "prefix_hit": forcer.run(cases, cached_prefix=True),
         "eager": forcer.run(cases, graphs=False),
     }
+
+
+def real_shape_gate_passes(
+    forcer: TeacherForcer, cases: list[Case]
+) -> dict[str, list[torch.Tensor]]:
+    """The real-shape gate's passes: the first 9 cases at batch 1, twice (bit-identical), then
+    every case in batches of 9 in the 16-graph, and again after a prefix hit."""
+    passes: dict[str, list[torch.Tensor]] = {"batch1_run1": [], "batch1_run2": []}
+    for case in cases[:9]:
+        first, second = forcer.run([case])[0], forcer.run([case])[0]
+        assert torch.equal(first, second), "batch-1 replay is not deterministic"
+        passes["batch1_run1"].append(first)
+        passes["batch1_run2"].append(second)
+    for name, cached in (("batch9_graph16", False), ("prefix_hit_batch9", True)):
+        passes[name] = []
+        for start in range(0, len(cases), 9):
+            passes[name] += forcer.run(cases[start : start + 9], cached_prefix=cached)
+    return passes
+
+
+def judge_with_long_prompt(
+    passes: dict[str, list[torch.Tensor]],
+    long_pass: dict[str, list[torch.Tensor]],
+    refs16: list[torch.Tensor],
+    refs32: list[torch.Tensor],
+    out: Path | None,
+) -> None:
+    """Judge the passes (references for the cases, then the long prompt's, last) and the long
+    prompt's pass; both tables are printed and written (`out`, and `out`'s name with
+    `_prompt_N` for the long one) before either is checked."""
+    name = next(iter(long_pass))
+    long_out = None if out is None else out.with_name(f"{out.stem}_{name}.json")
+    print(json.dumps(judge(long_pass, refs16[-1:], refs32[-1:], long_out, check=False), indent=2))
+    print(json.dumps(judge(passes, refs16[:-1], refs32[:-1], out), indent=2))
+    judge(long_pass, refs16[-1:], refs32[-1:])
+
+
+def assert_graph_replay_equals_eager(engine: EngineCore) -> None:
+    """A decode replay computes exactly what the same kernels compute eagerly, padding
+    included (five sequences in the 8-graph), for a model without recurrent state."""
+    forcer, bs, cuda = TeacherForcer(engine), engine.config.block_size, torch.device("cuda")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 1, 33)]
+    tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
+    forcer._step(prompts, [0] * 5, tables, graphs=False)
+    batch = ForwardBatch.build([[7]] * 5, [len(p) for p in prompts], tables, [True] * 5, bs, cuda)
+    assert engine.graphs.can_run(batch)
+    replayed = engine.graphs.run(batch).clone()
+    padded = engine.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu, [])
+    padded.input_ids[:5].copy_(batch.input_ids)
+    padded.positions[:5].copy_(batch.positions)
+    padded.slot_mapping[:5].copy_(batch.slot_mapping)
+    with torch.inference_mode():
+        engine.model.prepare_graph(padded, 8)
+        eager = engine.model(padded, engine.kv_cache)[:5]
+    assert torch.equal(replayed, eager)
+    for table in tables:
+        engine.block_manager.release(table)

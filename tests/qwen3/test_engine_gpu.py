@@ -16,6 +16,7 @@ from pegainfer.core.forward_batch import ForwardBatch
 from tests.qwen3.golden_gate import (
     GateResult,
     TeacherForcer,
+    assert_graph_replay_equals_eager,
     judge,
     make_cases,
     reference_logprobs,
@@ -54,25 +55,7 @@ def small(tmp_path_factory):
 
 def test_graph_replay_equals_eager_for_the_same_batch(small):
     """A replay computes exactly what the same kernels compute eagerly, padding included."""
-    _, engine, _ = small
-    forcer = TeacherForcer(engine)
-    bs = engine.config.block_size
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 1, 33)]
-    tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
-    forcer._step(prompts, [0] * 5, tables, graphs=False)
-    cuda = torch.device("cuda")
-    batch = ForwardBatch.build([[7]] * 5, [len(p) for p in prompts], tables, [True] * 5, bs, cuda)
-    replayed = engine.graphs.run(batch).clone()
-    padded = engine.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu, [])
-    padded.input_ids[:5].copy_(batch.input_ids)
-    padded.positions[:5].copy_(batch.positions)
-    padded.slot_mapping[:5].copy_(batch.slot_mapping)
-    with torch.inference_mode():
-        engine.model.prepare_graph(padded, 8)
-        eager = engine.model(padded, engine.kv_cache)[:5]
-    assert torch.equal(replayed, eager)
-    for table in tables:
-        engine.block_manager.release(table)
+    assert_graph_replay_equals_eager(small[1])
 
 
 def test_mixed_step_matches_the_reference_attention(small):

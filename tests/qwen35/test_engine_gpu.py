@@ -22,7 +22,9 @@ from tests.qwen3.golden_gate import (
     GateResult,
     TeacherForcer,
     judge,
+    judge_with_long_prompt,
     make_cases,
+    real_shape_gate_passes,
     reference_logprobs,
     small_gate_passes,
 )
@@ -222,20 +224,7 @@ def test_golden_gate_at_qwen35_4b_shapes(real_shapes):
     torch.cuda.empty_cache()
     engine = gpu_engine(path, gpu_memory_utilization=0.6)
     forcer = TeacherForcer(engine)
-    passes: dict[str, list[torch.Tensor]] = {"batch1_run1": [], "batch1_run2": []}
-    for case in cases[:9]:
-        first, second = forcer.run([case])[0], forcer.run([case])[0]
-        assert torch.equal(first, second), "batch-1 replay is not deterministic"
-        passes["batch1_run1"].append(first)
-        passes["batch1_run2"].append(second)
-    for name, cached in (("batch9_graph16", False), ("prefix_hit_batch9", True)):
-        passes[name] = []
-        for start in range(0, len(cases), 9):
-            passes[name] += forcer.run(cases[start : start + 9], cached_prefix=cached)
+    passes = real_shape_gate_passes(forcer, cases)
     long_pass = {"prompt_4500": forcer.run([long])}
     out = Path(os.environ["GATE_JSON"]) if os.environ.get("GATE_JSON") else None
-    long_out = None if out is None else out.with_name(f"{out.stem}_prompt_4500.json")
-    # Both tables are written before either is checked.
-    print(json.dumps(judge(long_pass, refs[-1:], refs32[-1:], long_out, check=False), indent=2))
-    print(json.dumps(judge(passes, refs[:-1], refs32[:-1], out), indent=2))
-    judge(long_pass, refs[-1:], refs32[-1:])
+    judge_with_long_prompt(passes, long_pass, refs, refs32, out)
