@@ -283,10 +283,8 @@ class EngineCore:
                 "--tensor-parallel-size above 1 runs on the CPU (gloo) only for now: the NCCL "
                 "path is not verified on GPUs yet"
             )
-        for flag in ("async_scheduling", "kv_offload"):
-            if getattr(args, flag):
-                raise ConfigError(f"--{flag.replace('_', '-')} does not work with tensor "
-                                  "parallelism yet")  # fmt: skip
+        if args.kv_offload:
+            raise ConfigError("--kv-offload does not work with tensor parallelism yet")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine is unusable afterwards)."""
@@ -416,9 +414,12 @@ class EngineCore:
 
     def _launch(self, step: SchedulerStep) -> _Launched:
         """Queue the step's forward and sampling on the device; nothing waits for the GPU."""
-        batch = self._forward_batch(step)
-        if self._in_flight is not None:
+        fed = self._in_flight is not None and any(c.request.num_pending for c in step.chunks)
+        batch = self._forward_batch(step, fed)
+        if fed:
             self._in_flight.feed(step, batch)
+            if self.ranks is not None:  # the other ranks' batches lack the fed ids
+                self.ranks.share_inputs(batch.input_ids)
         if self.offload is not None:
             self.offload.before_step(
                 self.block_manager.take_handed_out(), self.scheduler.take_reused_checkpoint_slots()
@@ -490,8 +491,9 @@ class EngineCore:
             self.offload.store(self.scheduler.take_pending_stores(), self.kv_cache)
         return outputs
 
-    def _forward_batch(self, step: SchedulerStep) -> ForwardBatch:
-        """The step's batch; with tensor parallelism its plan goes to the other ranks first."""
+    def _forward_batch(self, step: SchedulerStep, fed: bool = False) -> ForwardBatch:
+        """The step's batch; with tensor parallelism its plan goes to the other ranks first
+        (`fed`: the input ids of requests with a pending token follow once fed)."""
         chunks, starts = [], []
         for chunk in step.chunks:
             start = chunk.request.num_computed_tokens
@@ -513,7 +515,7 @@ class EngineCore:
             ],
         )
         if self.ranks is not None:
-            self.ranks.run(plan)
+            self.ranks.run(plan, fed)
         return ForwardBatch.build(**plan, device=self.config.device)
 
     def stats(self) -> EngineStats:

@@ -5,8 +5,10 @@ plan (the arguments of `ForwardBatch.build`), and every rank runs the forward; t
 layers' all-reduces keep them in step, and only rank 0 samples.
 
 A worker that died is noticed before the next broadcast and fails the engine with a clear
-error; collectives time out rather than hang (`TIMEOUT`). CPU only (gloo) for now: NCCL, CUDA
-graphs and async scheduling across ranks are not built yet (docs/parallelism.md).
+error; collectives time out rather than hang (`TIMEOUT`). Under async scheduling, a step's
+decode rows take the ids the step before samples on rank 0: rank 0 broadcasts them once fed.
+CPU only (gloo) for now: NCCL and CUDA graphs across ranks are not built yet
+(docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -96,8 +99,11 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
         cache = KVCache(model.kv_arenas(shape.block_size), shape.num_blocks, device,
                         model.state_arenas(), shape.num_slots)  # fmt: skip
         with torch.inference_mode():
-            while (plan := _receive()) is not None:
+            while (message := _receive()) is not None:
+                plan, fed = message
                 batch = ForwardBatch.build(**plan, device=device)
+                if fed:  # async scheduling: ids sampled by the step still in flight
+                    dist.broadcast(batch.input_ids, src=0)
                 model.prepare(batch)
                 model(batch, cache)
     finally:
@@ -125,11 +131,19 @@ class TensorParallelRanks:
     def share(self, shape: CacheShape) -> None:
         self._broadcast(shape)
 
-    def run(self, plan: dict[str, Any]) -> None:
-        """Have every worker run the step `plan` describes (rank 0 runs it next)."""
-        self._broadcast(plan)
+    def run(self, plan: dict[str, Any], fed: bool = False) -> None:
+        """Have every worker run the step `plan` describes (rank 0 runs it next). `fed`: the
+        batch's input ids follow (`share_inputs`) once rank 0 has fed it the tokens the step
+        in flight samples (async scheduling)."""
+        self._broadcast((plan, fed))
+
+    def share_inputs(self, input_ids: torch.Tensor) -> None:
+        self._collective(lambda: dist.broadcast(input_ids, src=0))
 
     def _broadcast(self, message: Any) -> None:
+        self._collective(lambda: dist.broadcast_object_list([message], src=0))
+
+    def _collective(self, call: Callable[[], object]) -> None:
         for rank, worker in enumerate(self.workers, start=1):
             if not worker.is_alive():
                 raise RankFailedError(
@@ -137,7 +151,7 @@ class TensorParallelRanks:
                     "the engine cannot continue"
                 )
         try:
-            dist.broadcast_object_list([message], src=0)
+            call()
         except RuntimeError as exc:  # a peer vanished mid-collective or timed out
             raise RankFailedError(f"a tensor-parallel rank stopped answering: {exc}") from exc
 
