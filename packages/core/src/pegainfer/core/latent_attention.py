@@ -81,7 +81,8 @@ class TorchPagedLatentAttention(PagedLatentAttention):
 class FlashInferPagedLatentAttention(PagedLatentAttention):
     """FlashInfer's batched MLA: one plan covers a mixed step (prefill chunks are causal
     queries of several rows, decodes of one); each graph bucket has its own wrapper over
-    slices of one set of fixed index buffers (graphs replay one at a time)."""
+    slices of one set of fixed index buffers (graphs replay one at a time). The FA2 backend,
+    FlashInfer's general one (FA3's Hopper kernels are the next thing to measure)."""
 
     def __init__(
         self,
@@ -99,7 +100,7 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
         self.dtype = dtype
         self.device = device
         self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._eager = BatchMLAPagedAttentionWrapper(self._workspace, backend="auto")
+        self._eager = BatchMLAPagedAttentionWrapper(self._workspace, backend="fa2")
         largest = max(graph_buckets, default=0)
         qo_indptr = torch.arange(largest + 1, dtype=torch.int32, device=device)
         kv_indptr = torch.zeros(largest + 1, dtype=torch.int32, device=device)
@@ -113,7 +114,7 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
                 kv_indptr=kv_indptr[: bucket + 1],
                 kv_indices=kv_indices[: bucket * max_pages_per_seq],
                 kv_len_arr=kv_lens[:bucket],
-                backend="auto",
+                backend="fa2",
             )
             for bucket in graph_buckets
         }
