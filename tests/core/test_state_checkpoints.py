@@ -42,3 +42,24 @@ def test_a_key_is_written_once_and_the_least_recently_used_makes_room():
 def test_no_capacity_means_no_checkpoints():
     pool = StateCheckpoints(capacity=0, first_slot=5)
     assert pool.reserve(b"x") is None and pool.lookup([b"x"], 1) is None
+
+
+def test_a_held_checkpoint_is_not_evicted_until_released():
+    """A request about to restore from a checkpoint holds it: reservations evict the next
+    oldest instead, or get nothing while every checkpoint is held."""
+    pool = StateCheckpoints(capacity=2, first_slot=0)
+    h = hashes(4)
+    a, b = pool.reserve(h[0]), pool.reserve(h[1])
+    pool.publish(h[0], a)
+    pool.publish(h[1], b)
+    pool.hold(a)  # h[0], the oldest, is held
+    c = pool.reserve(h[2])
+    assert c == b and pool.get(h[0]) == a
+    pool.publish(h[2], c)
+    pool.hold(c)
+    pool.hold(a)  # two requests on a
+    assert pool.reserve(h[3]) is None
+    pool.release(c)
+    pool.release(a)
+    assert pool.reserve(h[3]) == c  # a is still held once
+    pool.release(a)

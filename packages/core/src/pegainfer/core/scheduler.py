@@ -181,6 +181,8 @@ class Scheduler:
             for block_hash, block in restores:
                 self.blocks.seal(block, block_hash)
             request.state_source = hit.restore_from
+            if hit.restore_from is not None:  # kept from eviction until its step launches
+                self.checkpoints.hold(hit.restore_from)
             request.loaded_checkpoint = hit.state_load
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
@@ -213,6 +215,7 @@ class Scheduler:
         for chunk in step.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             if chunk.restore_from is not None:
+                self.checkpoints.release(chunk.restore_from)
                 self._publish_loaded_checkpoint(chunk.request)
             if chunk.snapshot is not None and self.checkpoints is not None:
                 _, slot, block_hash = chunk.snapshot
@@ -396,6 +399,8 @@ class Scheduler:
             self.offload.wait(request.restore)
             request.restore = None
         self._publish_loaded_checkpoint(request)
+        if request.state_source is not None:
+            self.checkpoints.release(request.state_source)
         request.state_source = None
 
     def _preempt(self, request: Request) -> None:

@@ -23,6 +23,7 @@ class StateCheckpoints:
         self._published: OrderedDict[bytes, int] = OrderedDict()  # oldest use first
         self._pending: set[bytes] = set()
         self._handed_out: list[int] = []  # slots reserved since the last take_handed_out()
+        self._held: dict[int, int] = {}  # slot -> requests about to restore from it
 
     def __len__(self) -> int:
         return len(self._published)
@@ -46,16 +47,31 @@ class StateCheckpoints:
 
     def reserve(self, block_hash: bytes) -> int | None:
         """A slot to write the checkpoint that follows `block_hash` into, evicting the least
-        recently used checkpoint if none is free; None if it exists or is being written."""
+        recently used checkpoint nobody holds if none is free; None if it exists or is being
+        written, or if every checkpoint is held."""
         if block_hash in self._published or block_hash in self._pending or self.capacity == 0:
             return None
         if not self._free:
-            _, slot = self._published.popitem(last=False)
-            self._free.append(slot)
+            victim = next((h for h, slot in self._published.items() if slot not in self._held),
+                          None)  # fmt: skip
+            if victim is None:
+                return None
+            self._free.append(self._published.pop(victim))
         self._pending.add(block_hash)
         slot = self._free.pop()
         self._handed_out.append(slot)
         return slot
+
+    def hold(self, slot: int) -> None:
+        """A request will restore from this slot: it is not evicted until `release`."""
+        self._held[slot] = self._held.get(slot, 0) + 1
+
+    def release(self, slot: int) -> None:
+        """The restore from this slot was launched (or will not happen)."""
+        if self._held[slot] == 1:
+            del self._held[slot]
+        else:
+            self._held[slot] -= 1
 
     def cancel(self, block_hash: bytes, slot: int) -> None:
         """A reservation that will not be written after all."""
