@@ -30,18 +30,24 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's block of sorted rows: its expert (-1: past the last run), its pairs and
+    which of them are real (the rest hold the sentinel)."""
+    block = tl.program_id(0)
+    pairs = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.load(block_expert + block).to(tl.int64), pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     x, w, hidden, sorted_pairs, block_expert,
     num_pairs, top_k, hidden_size, inter,
     stride_x, stride_we, stride_wn, stride_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    block = tl.program_id(0)
-    expert = tl.load(block_expert + block).to(tl.int64)
+    expert, pairs, valid = _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -69,12 +75,9 @@ def _down_kernel(
     stride_h, stride_we, stride_wn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    block = tl.program_id(0)
-    expert = tl.load(block_expert + block).to(tl.int64)
+    expert, pairs, valid = _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
     rows = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
