@@ -385,12 +385,8 @@ class EngineCore:
         for request, blocks, states in step.restores:
             request.restore = self.offload.load(blocks, self.kv_cache, states)
             self._landing.update(dict.fromkeys((block for _, block in blocks), request))
-        for chunk in step.chunks:  # restored in this very step: compute after the copies land
-            if chunk.request.restore is not None:
-                self.offload.wait(chunk.request.restore)
-                chunk.request.restore = None
-        if self._landing:
-            self._await_landing(step)
+        if self.offload is not None:
+            self._await_restores(step)
         launched = self._launch(step) if step.chunks else None
         if not self.async_scheduling:
             return self._commit(launched) if launched is not None else []
@@ -398,15 +394,21 @@ class EngineCore:
         self._in_flight = launched
         return outputs
 
-    def _await_landing(self, step: SchedulerStep) -> None:
-        """Restored blocks join the prefix cache at once, so another prompt can hit them while
-        their copy is still in flight: its step runs after that copy, on the device. Entries
-        go once their request's restore has settled (landed, or ordered before later work)."""
-        self._landing = {b: r for b, r in self._landing.items() if r.restore is not None}
-        owners = {id(r): r for chunk in step.chunks for block in chunk.request.block_ids
-                  if (r := self._landing.get(block)) is not None}  # fmt: skip
-        for owner in owners.values():
-            self.offload.wait(owner.restore)
+    def _await_restores(self, step: SchedulerStep) -> None:
+        """Order each chunk after the host-tier copies it reads, on the device: its own
+        request's, when it computes in the step that restores it (nothing else ran), and
+        another request's, when its prompt hit blocks still landing (restored blocks join the
+        prefix cache at admission). A restore waited for is settled: later work comes after it."""
+        for chunk in step.chunks:
+            readers = [chunk.request]
+            if self._landing:
+                readers += [self._landing[b] for b in chunk.request.block_ids if b in self._landing]
+            for owner in readers:
+                if owner.restore is not None:
+                    self.offload.wait(owner.restore)
+                    owner.restore = None
+        if self._landing:  # entries go once their restore has settled
+            self._landing = {b: r for b, r in self._landing.items() if r.restore is not None}
 
     @property
     def has_unfinished_requests(self) -> bool:
