@@ -230,12 +230,8 @@ class Scheduler:
         requests they end; return the requests that got a token. A request aborted or finished
         while the step was in flight drops its token."""
         sampled = list(sampled)
-        samplers = [chunk.request for chunk in step.chunks if chunk.samples]
-        grammars = [(r.grammar, token) for r, token in zip(samplers, sampled, strict=True)
-                    if r.grammar is not None
-                    and r.status is not RequestStatus.FINISHED]  # fmt: skip
-        if grammars:
-            consume_tokens(grammars)  # the batch's grammars advance together, in parallel
+        if any(chunk.request.grammar is not None for chunk in step.chunks):
+            self._advance_grammars(step, sampled)
         tokens = iter(sampled)
         touched: list[Request] = []
         for chunk in step.chunks:
@@ -253,6 +249,15 @@ class Scheduler:
                 queue.remove(request)
                 self._finish(request, request.finish_reason)
         return touched
+
+    @staticmethod
+    def _advance_grammars(step: SchedulerStep, sampled: list[int]) -> None:
+        """The step's grammars consume their sampled tokens together, in parallel, before
+        each request's token is committed (which asks its grammar whether it is done)."""
+        samplers = [chunk.request for chunk in step.chunks if chunk.samples]
+        consume_tokens([(r.grammar, token) for r, token in zip(samplers, sampled, strict=True)
+                        if r.grammar is not None
+                        and r.status is not RequestStatus.FINISHED])  # fmt: skip
 
     def _chunk_size(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

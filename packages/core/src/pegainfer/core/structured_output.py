@@ -108,7 +108,8 @@ def _mask_executor() -> llguidance.LLExecutor:
 def consume_tokens(pairs: list[tuple[llguidance.LLMatcher, int]]) -> None:
     """Advance each matcher by its sampled token, in parallel. A token the grammar forbids
     (it cannot happen: the mask excluded it) leaves the matcher in its error state."""
-    _mask_executor().consume_token_par(pairs)
+    if pairs:
+        _mask_executor().consume_token_par(pairs)
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list) -> torch.Tensor:
