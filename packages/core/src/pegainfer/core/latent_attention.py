@@ -72,7 +72,13 @@ class TorchPagedLatentAttention(PagedLatentAttention):
     def plan(self, batch: ForwardBatch) -> None:
         self._batch = batch
 
-    def run(self, q_latent, q_pe, ckv_layer, kpe_layer) -> torch.Tensor:
+    def run(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv_layer: torch.Tensor,
+        kpe_layer: torch.Tensor,
+    ) -> torch.Tensor:
         return paged_latent_attention(
             q_latent, q_pe, ckv_layer, kpe_layer, self._batch, self.shape.scale
         )
@@ -152,7 +158,13 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
         self._plan(self._graph[bucket], batch)
 
-    def run(self, q_latent, q_pe, ckv_layer, kpe_layer) -> torch.Tensor:
+    def run(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv_layer: torch.Tensor,
+        kpe_layer: torch.Tensor,
+    ) -> torch.Tensor:
         return self._active.run(q_latent, q_pe, ckv_layer, kpe_layer)
 
 
