@@ -17,8 +17,8 @@ it equals transformers' expanded form in exact arithmetic. Routed experts are st
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import cache
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -75,21 +75,20 @@ class LatentAttention(nn.Module):
                 F.linear(x, self.q_a_proj), self.q_a_layernorm, _LATENT_NORM_EPS
             )
             q = F.linear(q_a, self.q_b_proj)
-        q_nope, q_pe = q.view(tokens, cfg.num_heads, -1).split(
-            [cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1
-        )
-        c, k_pe = F.linear(x, self.kv_a_proj_with_mqa).split(
-            [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1
-        )
-        c = rms_norm.rms_norm(c, self.kv_a_layernorm, _LATENT_NORM_EPS)
-        q_pe = rope.apply(q_pe, batch.positions)
-        k_pe = rope.apply(k_pe[:, None], batch.positions)[:, 0]
-        ops.write_latent(ckv, kpe, c, k_pe, batch)
-        # Absorbed: W_uk folds into the query, W_uv applies to the latent output.
+        latent_input = _kernels().latent_input if x.is_cuda else ops.latent_input
+        q_pe = latent_input(
+            q, F.linear(x, self.kv_a_proj_with_mqa), self.kv_a_layernorm, rope.cos, rope.sin,
+            batch.positions, batch.slot_mapping, ckv, kpe, cfg.num_heads, cfg.qk_nope_head_dim,
+            _LATENT_NORM_EPS,
+        )  # fmt: skip
+        q_nope = q.view(tokens, cfg.num_heads, -1)[..., : cfg.qk_nope_head_dim]
+        # Absorbed: W_uk folds into the query, W_uv applies to the latent output. Both run
+        # head-major ([heads, tokens, ...]); attention reads and writes that layout through
+        # strides, so nothing is transposed in memory until the output projection.
         w = self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        latent = attn.run(q_latent.contiguous(), q_pe.contiguous(), ckv, kpe)
+        latent = attn.run(q_latent, q_pe, ckv, kpe)
         out = torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
 
@@ -137,23 +136,33 @@ class Experts(nn.Module):
         self.experts = RoutedExperts(h, inter, local, group.rank * local)
         self.shared_experts = Expert(h, inter * cfg.num_shared_experts // group.world_size)
 
-    def forward(self, x: torch.Tensor, elementwise: LayerOps) -> torch.Tensor:
-        cfg, experts = self.cfg, self.experts
-        weights, chosen = ops.route(
-            x, self.gate, cfg.num_experts_per_tok, cfg.topk_method, cfg.n_group, cfg.topk_group,
-            cfg.routed_scaling_factor,
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        if x.is_cuda and cfg.topk_method == "greedy":
+            return _kernels().route(
+                x, self.gate, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+            )
+        return ops.route(
+            x, self.gate, cfg.num_experts_per_tok, cfg.topk_method, cfg.n_group,
+            cfg.topk_group, cfg.routed_scaling_factor,
         )  # fmt: skip
-        moe = _fused_moe() if x.is_cuda else ops.moe
-        routed = moe(x, weights, chosen, *experts.stacked(), experts.first)
-        return self.group.all_reduce(routed + self.shared_experts(x, elementwise))
+
+    def forward(self, x: torch.Tensor, elementwise: LayerOps) -> torch.Tensor:
+        shared = self.shared_experts(x, elementwise)
+        weights, chosen = self._route(x)
+        experts = (*self.experts.stacked(), self.experts.first)
+        if x.is_cuda:
+            return self.group.all_reduce(_kernels().fused_moe(x, weights, chosen, *experts, shared))
+        return self.group.all_reduce(ops.moe(x, weights, chosen, *experts) + shared)
 
 
 @cache
-def _fused_moe() -> Callable[..., torch.Tensor]:
-    """The Triton MoE (imported on first use: the CPU path needs no Triton)."""
-    from pegainfer.models.deepseek.kernels import fused_moe
+def _kernels() -> SimpleNamespace:
+    """The Triton kernels (imported on first use: the CPU path needs no Triton)."""
+    from pegainfer.models.deepseek.latent_kernels import latent_input
+    from pegainfer.models.deepseek.moe_kernels import fused_moe, route
 
-    return fused_moe
+    return SimpleNamespace(latent_input=latent_input, fused_moe=fused_moe, route=route)
 
 
 class DenseMLP(Expert):

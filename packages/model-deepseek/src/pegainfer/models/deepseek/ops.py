@@ -3,9 +3,10 @@ yardstick), following transformers' `modeling_deepseek_v2` casts.
 
 - YaRN inverse frequencies and RoPE on interleaved pairs (x0, x1), (x2, x3), ... of the 64
   rotary dims, as transformers' complex multiplication does it, in float32.
-- Writing a step's latents: each cached token holds its normalised latent c [kv_lora_rank]
+- MLA's attention input: each cached token holds its normalised latent c [kv_lora_rank]
   (the `ckv` arena) and its roped k_pe [rope dims] (the `kpe` arena), shared by all heads
-  (attention over them is core's, `core.latent_attention`).
+  (attention over them is core's, `core.latent_attention`); the queries' rope part is
+  rotated alike (the fused CUDA kernel: `latent_kernels`).
 - Softmax top-k routing without renormalisation, and the experts' SwiGLU.
 """
 
@@ -16,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.ops.rms_norm import rms_norm
 from pegainfer.models.deepseek.config import Rope
 
 
@@ -44,32 +45,49 @@ def inv_freq(rope: Rope) -> torch.Tensor:
 
 
 class InterleavedRope:
-    """cos/sin tables for positions [0, max_positions), scaled by YaRN's attention factor."""
+    """cos/sin tables [max_positions, dim / 2] (float32), scaled by YaRN's attention factor."""
 
     def __init__(self, rope: Rope, max_positions: int, device: torch.device) -> None:
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq(rope))
         self.cos = (freqs.cos() * rope.attention_factor).to(device)
         self.sin = (freqs.sin() * rope.attention_factor).to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate pairs (x[2i], x[2i+1]) of x [tokens, heads, dim] by position, in float32."""
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        pairs = x.float().unflatten(-1, (-1, 2))
-        even, odd = pairs[..., 0], pairs[..., 1]
-        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-        return rotated.flatten(-2).to(x.dtype)
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [tokens, heads, dim] by cos/sin [tokens, dim / 2],
+    in float32."""
+    cos, sin = cos[:, None], sin[:, None]
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
 
 
-def write_latent(
-    ckv_layer: torch.Tensor, kpe_layer: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
-    batch: ForwardBatch,
-) -> None:  # fmt: skip
-    """Store this step's latents c [tokens, rank] and roped keys k_pe [tokens, rope] at
-    `batch.slot_mapping`; a layer's caches are [num_blocks, block_size, dim]."""
-    blocks = batch.slot_mapping // batch.block_size
-    offsets = batch.slot_mapping % batch.block_size
-    ckv_layer[blocks, offsets] = c.to(ckv_layer.dtype)
-    kpe_layer[blocks, offsets] = k_pe.to(kpe_layer.dtype)
+def latent_input(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    ckv_layer: torch.Tensor,
+    kpe_layer: torch.Tensor,
+    num_heads: int,
+    nope_dim: int,
+    eps: float,
+) -> torch.Tensor:
+    """Normalise the latents c of kv_a [tokens, latent | rope] and rotate its shared keys,
+    store both at `slot_mapping` in one layer's arenas ([num_blocks, block_size, dim]), and
+    return the rotated rope part of q [tokens, heads * (nope + rope)]: [tokens, heads, rope]."""
+    tokens, half = q.shape[0], cos.shape[1]
+    cos, sin = cos[positions], sin[positions]
+    q_pe = rotate_interleaved(q.view(tokens, num_heads, -1)[..., nope_dim:], cos, sin)
+    c, k_pe = kv_a.split([kv_a.shape[1] - 2 * half, 2 * half], dim=-1)
+    blocks, offsets = slot_mapping // ckv_layer.shape[1], slot_mapping % ckv_layer.shape[1]
+    ckv_layer[blocks, offsets] = rms_norm(c, norm, eps).to(ckv_layer.dtype)
+    kpe_layer[blocks, offsets] = rotate_interleaved(k_pe[:, None], cos, sin)[:, 0]
+    return q_pe
 
 
 def route(

@@ -1,0 +1,304 @@
+"""The fused MoE on the GPU (reference: `ops.route`, `ops.moe`): routing, sorted
+token-to-expert dispatch, two grouped GEMMs and the combine, in Triton.
+
+0. Routing (greedy top-k): per block of tokens, the router logits (bf16 products are exact
+   in float32, accumulated in float32 as the reference's float32 linear), softmax over the
+   experts, the k best by iterated argmax, times the scaling factor.
+1. Dispatch: the (token, choice) pairs routed to this rank's experts are sorted by expert and
+   each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M rows of the sorted
+   list belong to one expert (`block_expert`); rows past an expert's pairs hold a sentinel.
+   Sizes depend only on the number of pairs and experts, never on the routing, so the same
+   launch shapes serve every step of a batch size. Up to `_ONE_PROGRAM_PAIRS` pairs (decode
+   and short prefills) one program does it (a sort of (expert, pair) keys, a histogram);
+   more go through torch's sort.
+2. Gate/up: per (row block, column block of I), the rows' tokens times the expert's gate and up
+   columns, SiLU(gate) * up in float32, written to the pair's row of `hidden` [pairs, I].
+3. Down: per (row block, column block of H), `hidden` times the expert's down matrix, scaled by
+   the pair's routing weight, written to the pair's row of `out` [pairs, H] (float32).
+4. Combine: each token's sum over its pairs held here, rounded to the model's dtype, plus the
+   shared experts' output when given (rounded again, as the reference's bf16 add).
+
+Pairs routed to experts other ranks hold are never touched: the combine skips their rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's block of sorted rows: its expert (-1: past the last run), its pairs and
+    which of them are real (the rest hold the sentinel)."""
+    block = tl.program_id(0)
+    pairs = tl.load(sorted_pairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.load(block_expert + block).to(tl.int64), pairs, pairs < num_pairs
+
+
+@triton.jit
+def _gate_up_kernel(
+    x, w, hidden, sorted_pairs, block_expert,
+    num_pairs, top_k, hidden_size, inter,
+    stride_x, stride_we, stride_wn, stride_h,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    expert, pairs, valid = _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w_gate = w + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    w_up = w_gate + inter * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden_size
+        a = tl.load(x + tokens[:, None] * stride_x + ks[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        gate += _dot(a, tl.load(w_gate + ks[:, None], mask=b_mask, other=0.0), IEEE)
+        up += _dot(a, tl.load(w_up + ks[:, None], mask=b_mask, other=0.0), IEEE)
+    out = gate * tl.sigmoid(gate) * up
+    tl.store(hidden + pairs[:, None].to(tl.int64) * stride_h + cols[None, :],
+             out.to(hidden.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _down_kernel(
+    hidden, w, out, sorted_pairs, block_expert, weights,
+    num_pairs, hidden_size, inter,
+    stride_h, stride_we, stride_wn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    expert, pairs, valid = _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
+    rows = pairs.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden_size
+    w_cols = w + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(hidden + rows[:, None] * stride_h + ks[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += _dot(a, b, IEEE)
+    scale = tl.load(weights + rows, mask=valid, other=0.0)
+    tl.store(out + rows[:, None] * stride_out + cols[None, :], acc * scale[:, None],
+             mask=valid[:, None] & col_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _route_kernel(
+    x, gate, weights, experts, tokens, hidden_size, num_experts, scaling, stride_x,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < tokens
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < num_experts
+    logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden_size
+        a = tl.load(x + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        b = tl.load(gate + cols[None, :] * hidden_size + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        logits += _dot(a, b, IEEE)
+    logits = tl.where(col_ok[None, :], logits, -float("inf"))
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, axis=1)
+        tl.store(weights + rows * TOP_K + j, tl.max(p, axis=1) * scaling, mask=row_ok)
+        tl.store(experts + rows * TOP_K + j, best.to(tl.int32), mask=row_ok)
+        p = tl.where(cols[None, :] == best[:, None], -1.0, p)
+
+
+def route(
+    x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy softmax top-k routing (`ops.route` with method "greedy"): weights [T, k]
+    float32 and experts [T, k] int32 (in no particular order within a row)."""
+    tokens, hidden_size = x.shape
+    num_experts = gate.shape[0]
+    if x.stride(1) != 1 or not gate.is_contiguous():
+        raise ValueError("x rows and the router matrix must be contiguous")
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    experts = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    block_t = 16
+    _route_kernel[(triton.cdiv(tokens, block_t),)](
+        x, gate, weights, experts, tokens, hidden_size, num_experts, scaling, x.stride(0),
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_K=64, IEEE=x.dtype == torch.float32,
+    )  # fmt: skip
+    return weights, experts
+
+
+# One program sorts up to this many pairs (decode batches, short prefills).
+_ONE_PROGRAM_PAIRS = 4096
+
+
+@triton.jit
+def _dispatch_kernel(
+    experts, sorted_pairs, block_expert, pairs, first, num_experts, num_blocks,
+    BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    idx = tl.arange(0, PAIRS)
+    local = tl.load(experts + idx, mask=idx < pairs, other=-1).to(tl.int32) - first
+    inside = (idx < pairs) & (local >= 0) & (local < num_experts)
+    bucket = tl.where(inside, local, num_experts)  # num_experts: not held here
+    # Sorted (expert, pair) keys: pair order kept within an expert's run.
+    keys = tl.sort(bucket * PAIRS + idx)
+    sorted_expert, sorted_pair = keys // PAIRS, keys % PAIRS
+    counts = tl.histogram(bucket, EXPERTS)
+    e = tl.arange(0, EXPERTS)
+    counts = tl.where(e < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    run_start = tl.gather(padded_end - padded, tl.minimum(sorted_expert, EXPERTS - 1), 0)
+    rank_start = tl.gather(tl.cumsum(counts, axis=0) - counts,
+                           tl.minimum(sorted_expert, EXPERTS - 1), 0)  # fmt: skip
+    slots = tl.arange(0, SLOTS)
+    tl.store(sorted_pairs + slots, pairs, mask=slots < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the sentinel first, then the pairs over it
+    dest = run_start + idx - rank_start
+    tl.store(sorted_pairs + dest, sorted_pair, mask=sorted_expert < num_experts)
+    # A block's expert: the first run ending after the block's first row.
+    b = tl.arange(0, BLOCKS)
+    ended = tl.sum((padded_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    owner = tl.where(ended < num_experts, ended, -1)
+    tl.store(block_expert + b, owner, mask=b < num_blocks)
+
+
+def dispatch(
+    experts: torch.Tensor, first: int, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, choice) pairs, flattened token-major, sorted by local expert with each expert's
+    run padded to `block_m` rows: `sorted_pairs` [blocks * block_m] int32 (the sentinel
+    `pairs` past a run's end) and `block_expert` [blocks] int32 (-1 for blocks past the last
+    run). Pairs routed outside `first`.. `first + num_experts - 1` are left out. Shapes depend
+    on the number of pairs only and nothing reads device values on the host, so a CUDA graph
+    can capture it."""
+    pairs, device = experts.numel(), experts.device
+    blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    if pairs <= _ONE_PROGRAM_PAIRS:
+        _dispatch_kernel[(1,)](
+            experts, sorted_pairs, block_expert, pairs, first, num_experts, blocks,
+            BLOCK_M=block_m, PAIRS=max(16, triton.next_power_of_2(pairs)),
+            EXPERTS=max(16, triton.next_power_of_2(num_experts + 1)),
+            SLOTS=triton.next_power_of_2(blocks * block_m),
+            BLOCKS=max(16, triton.next_power_of_2(blocks)), num_warps=8,
+        )  # fmt: skip
+        return sorted_pairs, block_expert
+    local = experts.flatten() - first
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, local, torch.ones_like(local))[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(local, stable=True)
+    expert_of = local[order]
+    # Position of each sorted pair within its expert's run, then in the padded list; the
+    # pairs left out all go to one extra slot past the end, dropped below.
+    owner = expert_of.clamp(max=num_experts - 1)
+    slot = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[owner]
+    dest = torch.where(expert_of < num_experts, (padded_end - padded)[owner] + slot,
+                       blocks * block_m)  # fmt: skip
+    with_spill = torch.full((blocks * block_m + 1,), pairs, dtype=torch.int32, device=device)
+    with_spill.scatter_(0, dest, order.to(torch.int32))
+    sorted_pairs.copy_(with_spill[:-1])
+    block_start = torch.arange(blocks, device=device) * block_m
+    owner = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert.copy_(torch.where(owner < num_experts, owner, -1))
+    return sorted_pairs, block_expert
+
+
+@triton.jit
+def _combine_kernel(
+    out, experts, shared, result, first, num_experts, hidden_size,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < hidden_size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        local = tl.load(experts + token * TOP_K + j).to(tl.int32) - first
+        if (local >= 0) & (local < num_experts):
+            row = out + (token * TOP_K + j) * hidden_size
+            acc += tl.load(row + cols, mask=col_ok, other=0.0)
+    dtype = result.dtype.element_ty
+    acc = acc.to(dtype)
+    if HAS_SHARED:
+        acc = (acc.to(tl.float32) + tl.load(shared + token * hidden_size + cols, mask=col_ok,
+                                            other=0.0).to(tl.float32)).to(dtype)  # fmt: skip
+    tl.store(result + token * hidden_size + cols, acc, mask=col_ok)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    first: int = 0,
+    shared: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) over the experts held here, plus
+    `shared` [T, H] (the shared experts' output) when given: `gate_up` [E, 2I, H] and `down`
+    [E, H, I] are experts `first`.. `first + E - 1`'s."""
+    tokens, top_k = experts.shape
+    num_experts, hidden_size, inter = down.shape
+    x, experts, weights = x.contiguous(), experts.contiguous(), weights.float().contiguous()
+    if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("expert weights must be row-major in their last dimension")
+    result = torch.empty(tokens, hidden_size, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return result
+    pairs = tokens * top_k
+    # Few rows per expert (decode) want short row blocks; prefill fills long ones.
+    block_m = 16 if pairs <= 4 * num_experts else 64
+    sorted_pairs, block_expert = dispatch(experts, first, num_experts, block_m)
+    ieee = x.dtype == torch.float32
+    hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k = 64, 64
+    grid = (block_expert.numel(), triton.cdiv(inter, block_n))
+    _gate_up_kernel[grid](
+        x, gate_up, hidden, sorted_pairs, block_expert, pairs, top_k, hidden_size, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+    )  # fmt: skip
+    out = torch.empty(pairs, hidden_size, dtype=torch.float32, device=x.device)
+    grid = (block_expert.numel(), triton.cdiv(hidden_size, block_n))
+    _down_kernel[grid](
+        hidden, down, out, sorted_pairs, block_expert, weights, pairs,
+        hidden_size, inter, hidden.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+    )  # fmt: skip
+    if shared is not None:
+        shared = shared.contiguous()
+    block = min(1024, triton.next_power_of_2(hidden_size))
+    _combine_kernel[(tokens, triton.cdiv(hidden_size, block))](
+        out, experts, shared, result, first, num_experts, hidden_size,
+        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=block,
+    )  # fmt: skip
+    return result
