@@ -209,7 +209,7 @@ def dispatch(
             BLOCKS=max(16, triton.next_power_of_2(blocks)), num_warps=8,
         )  # fmt: skip
         return sorted_pairs, block_expert
-    local = experts.flatten() - first
+    local = experts.flatten().long() - first
     local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts = counts.scatter_add_(0, local, torch.ones_like(local))[:num_experts]
@@ -275,12 +275,14 @@ def fused_moe(
     if tokens == 0:
         return result
     pairs = tokens * top_k
-    # Few rows per expert (decode) want short row blocks; prefill fills long ones.
-    block_m = 16 if pairs <= 4 * num_experts else 64
+    # Few rows per expert (decode) want short row blocks and long steps along k; prefill
+    # fills long row blocks (a tile sweep at V2-Lite's shapes on the H200:
+    # docs/benchmarks/2026-11-30-deepseek-h200/).
+    block_m, block_k = (16, 128) if pairs <= 8 * num_experts else (64, 64)
     sorted_pairs, block_expert = dispatch(experts, first, num_experts, block_m)
     ieee = x.dtype == torch.float32
     hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = 64, 64
+    block_n = 64
     grid = (block_expert.numel(), triton.cdiv(inter, block_n))
     _gate_up_kernel[grid](
         x, gate_up, hidden, sorted_pairs, block_expert, pairs, top_k, hidden_size, inter,
