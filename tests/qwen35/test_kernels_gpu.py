@@ -6,6 +6,8 @@ earlier steps), runs the kernel over the whole step and the reference one sequen
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -179,3 +181,42 @@ def test_gated_rms_norm(dtype, tokens, heads, dim, device="cuda"):
     assert rel_err(gated_rms_norm(x, z, weight, 1e-6), ref) < (
         1e-6 if dtype == torch.float32 else 8e-3
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads"), [(1, 16, 4), (37, 16, 4), (5, 8, 2)])
+def test_gated_attention_input_and_output_kernels(dtype, tokens, heads, kv_heads):
+    """The fused q/k zero-centred norm + partial RoPE + K/V write, and the sigmoid gate,
+    against the reference ops GatedAttention runs on the CPU (head_dim 256, rotary 64)."""
+    from pegainfer.core.ops.paged_attention import write_kv
+    from pegainfer.core.ops.rms_norm import rms_norm
+    from pegainfer.core.ops.rotary import RotaryEmbedding
+    from pegainfer.models.qwen35.attention_kernels import qk_norm_rope_kv_write, sigmoid_gate
+
+    dev, head_dim, rotary, block_size, num_blocks = torch.device("cuda"), 256, 64, 16, 32
+    g = torch.Generator("cuda").manual_seed(tokens + heads)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, 2 * q_size + 2 * kv_size, device=dev, generator=g).to(dtype)
+    q_w, k_w = (0.1 * torch.randn(head_dim, device=dev, generator=g).to(dtype) for _ in "qk")
+    rope = RotaryEmbedding(rotary, 1e7, 4096, dev)
+    positions = torch.randint(0, 4096, (tokens,), device=dev, generator=g)
+    slots = torch.randperm(num_blocks * block_size, device=dev, generator=g)[:tokens]
+    kv = torch.zeros(num_blocks, 2, block_size, kv_heads, head_dim, device=dev, dtype=dtype)
+    kv_ref = kv.clone()
+    q = qk_norm_rope_kv_write(qkv, q_w, k_w, rope.cos, rope.sin, positions, slots, kv, heads,
+                              kv_heads, rotary, 1e-6)  # fmt: skip
+
+    query_gate, k, v = qkv.split([2 * q_size, kv_size, kv_size], -1)
+    query_gate = query_gate.view(tokens, heads, 2 * head_dim)
+    q_ref = rope.apply(rms_norm(query_gate[..., :head_dim], q_w, 1e-6, True), positions)
+    k_ref = rms_norm(k.reshape(tokens, kv_heads, head_dim), k_w, 1e-6, True)
+    batch = SimpleNamespace(slot_mapping=slots, block_size=block_size)
+    write_kv(kv_ref, rope.apply(k_ref, positions), v.reshape(tokens, kv_heads, head_dim), batch)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(q, q_ref) < tol
+    assert rel_err(kv[:, 0], kv_ref[:, 0]) < tol
+    assert torch.equal(kv[:, 1], kv_ref[:, 1])  # v copied, untouched blocks still zero
+
+    out = torch.randn(tokens, q_size, device=dev, generator=g).to(dtype)
+    ref = out * torch.sigmoid(query_gate[..., head_dim:].reshape(tokens, -1))
+    assert rel_err(sigmoid_gate(out, qkv, heads), ref) < tol

@@ -8,14 +8,17 @@ Two sets of ops compute the same function. The reference (and CPU) path runs the
 sequence at a time with the torch ops of `ops.py`, following transformers' `Qwen3_5ForCausalLM`
 op for op, casts included. On CUDA the DeltaNet layers run the whole step through the Triton
 kernels of `kernels.py`, the norms and the MLP through core's fused kernels and attention
-through FlashInfer; pure-decode steps replay CUDA graphs. Projections are fused where the GPU
-wants them fused: q (with its gate)/k/v in one matrix, the DeltaNet's qkv/z/b/a in one, gate/up
-in one.
+through FlashInfer between two fused kernels (`attention_kernels.py`: q/k norms, partial RoPE
+and the KV write before it, the sigmoid gate after); pure-decode steps replay CUDA graphs.
+Projections are fused where the GPU wants them fused: q (with its gate)/k/v in one matrix, the
+DeltaNet's qkv/z/b/a in one, gate/up in one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,8 +120,18 @@ class GatedAttention(nn.Module):
         attn: PagedAttention,
     ) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
+        qkv = F.linear(x, self.qkv_proj)
+        if qkv.is_cuda:  # the same function in two fused kernels around FlashInfer
+            fused = _fused_attention()
+            q = fused.qk_norm_rope_kv_write(
+                qkv, self.q_norm, self.k_norm, rope.cos, rope.sin, batch.positions,
+                batch.slot_mapping, kv_layer, cfg.num_heads, cfg.num_kv_heads, cfg.rotary_dim,
+                cfg.rms_norm_eps,
+            )  # fmt: skip
+            out = fused.sigmoid_gate(attn.run(q, kv_layer).reshape(tokens, -1), qkv, cfg.num_heads)
+            return parallel.row_parallel_linear(out, self.o_proj, self.group)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        query_gate, k, v = F.linear(x, self.qkv_proj).split([2 * q_size, kv_size, kv_size], -1)
+        query_gate, k, v = qkv.split([2 * q_size, kv_size, kv_size], -1)
         query_gate = query_gate.view(tokens, cfg.num_heads, 2 * cfg.head_dim)
         q, gate = query_gate[..., : cfg.head_dim], query_gate[..., cfg.head_dim :]
         eps = cfg.rms_norm_eps
@@ -130,6 +143,15 @@ class GatedAttention(nn.Module):
         out = attn.run(q.contiguous(), kv_layer).reshape(tokens, -1)
         out = out * torch.sigmoid(gate.reshape(tokens, -1))
         return parallel.row_parallel_linear(out, self.o_proj, self.group)
+
+
+@cache
+def _fused_attention() -> ModuleType:
+    """The gated attention's CUDA kernels (imported on first use: the CPU path needs no
+    Triton)."""
+    from pegainfer.models.qwen35 import attention_kernels
+
+    return attention_kernels
 
 
 class GatedDeltaNet(nn.Module):
