@@ -1,15 +1,23 @@
-"""The reference latent (MLA) attention: absorbed queries over a paged latent cache give the
-expanded per-head attention (float64, so only the algebra differs)."""
+"""MLA's attention on the references: absorbed queries over a paged latent cache, and a step
+split between the absorbed and expanded forms, give the expanded per-head attention (float64,
+so only the algebra differs)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from pegainfer.core import latent_attention
 from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.latent_attention import LatentShape, make_latent_attention
+from pegainfer.core.latent_attention import (
+    LatentShape,
+    TorchPagedLatentAttention,
+    make_latent_attention,
+)
 
-HEADS, NOPE, ROPE, RANK, V, BLOCK = 4, 16, 8, 32, 16, 4
+HEADS, NOPE, ROPE, RANK, V, BLOCK, SCALE = 4, 16, 8, 32, 16, 4, 0.2
+SHAPE = LatentShape(HEADS, RANK, ROPE, NOPE, V, SCALE)
 
 
 def expanded(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale):
@@ -26,37 +34,80 @@ def expanded(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale):
     return out.transpose(0, 1)
 
 
-def test_absorbed_paged_attention_equals_the_expanded_form():
-    """A step with a prefill chunk over a cached prefix (7 new rows at 9..15), a decode (row
-    at 22) and a first chunk (5 rows from 0), blocks scattered over the cache."""
-    g = torch.Generator().manual_seed(0)
-    f64 = torch.float64
+def random_step(starts: list[int], lengths: list[int], seed: int = 0):
+    """Caches with blocks scattered over them, one batch feeding `lengths[i]` tokens from
+    `starts[i]`, queries and an up-projection (float64, so only the algebra differs)."""
+    g = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g, dtype=f64) * scale
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
-    num_blocks, scale = 20, 0.2
+    num_blocks = 64
     ckv, kpe = randn(num_blocks, BLOCK, RANK), randn(num_blocks, BLOCK, ROPE)
-    w = randn(HEADS, NOPE + V, RANK, scale=0.3)
-    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
-    starts, lengths = [9, 22, 0], [7, 1, 5]
-    tables = [[3, 11, 0, 7], [5, 2, 19, 8, 14, 1], [12, 6]]
+    perm, tables = torch.randperm(num_blocks, generator=g).tolist(), []
+    for start, n in zip(starts, lengths, strict=True):
+        pages = -(-(start + n) // BLOCK)
+        tables.append(perm[:pages])
+        perm = perm[pages:]
     batch = ForwardBatch.build(
-        [[0] * n for n in lengths], starts, tables, [True] * 3, BLOCK, torch.device("cpu")
-    )
+        [[0] * n for n in lengths], starts, tables, [True] * len(lengths), BLOCK,
+        torch.device("cpu"),
+    )  # fmt: skip
     tokens = sum(lengths)
     q_nope, q_pe = randn(tokens, HEADS, NOPE), randn(tokens, HEADS, ROPE)
-    attn = make_latent_attention(LatentShape(HEADS, RANK, ROPE, scale), f64,
-                                 torch.device("cpu"), max_pages_per_seq=8)  # fmt: skip
-    attn.plan(batch)
-    q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-    ours = torch.einsum("thr,hvr->thv", attn.run(q_latent, q_pe, ckv, kpe), w_uv)
+    return batch, tables, ckv, kpe, q_nope, q_pe, randn(HEADS, NOPE + V, RANK, scale=0.3)
+
+
+def assert_equals_the_expanded_form(out, starts, lengths, tables, ckv, kpe, q_nope, q_pe, w):
     row = 0
     for start, n, table in zip(starts, lengths, tables, strict=True):
         seq_len = start + n
         c = ckv[table].flatten(0, 1)[:seq_len]
         k_pe = kpe[table].flatten(0, 1)[:seq_len]
         rows = slice(row, row + n)
-        ref = expanded(q_nope[rows], q_pe[rows], c, k_pe, w_uk, w_uv, scale)
-        assert torch.allclose(ours[rows], ref, atol=1e-12)
+        ref = expanded(q_nope[rows], q_pe[rows], c, k_pe, w[:, :NOPE], w[:, NOPE:], SCALE)
+        assert torch.allclose(out[rows], ref, atol=1e-12)
         row += n
+
+
+def test_absorbed_paged_attention_equals_the_expanded_form():
+    """A step with a prefill chunk over a cached prefix (7 new rows at 9..15), a decode (row
+    at 22) and a first chunk (5 rows from 0), blocks scattered over the cache."""
+    starts, lengths = [9, 22, 0], [7, 1, 5]
+    batch, tables, ckv, kpe, q_nope, q_pe, w = random_step(starts, lengths)
+    attn = TorchPagedLatentAttention(SHAPE)
+    attn.plan(batch)
+    q_latent = torch.einsum("thn,hnr->thr", q_nope, w[:, :NOPE])
+    ours = torch.einsum("thr,hvr->thv", attn.run(q_latent, q_pe, ckv, kpe), w[:, NOPE:])
+    assert_equals_the_expanded_form(ours, starts, lengths, tables, ckv, kpe, q_nope, q_pe, w)
+
+
+def test_long_chunks_attend_expanded_and_the_rest_absorbed_with_one_result():
+    """Chunks of at least `expand_min_rows` (32 here) rows take the expanded form, decodes
+    and short chunks the absorbed one, in one step; every row equals the expanded reference."""
+    assert SHAPE.expand_min_rows == 32
+    starts, lengths = [9, 22, 0, 3, 50], [40, 1, 5, 32, 31]
+    batch, tables, ckv, kpe, q_nope, q_pe, w = random_step(starts, lengths, seed=1)
+    attn = make_latent_attention(SHAPE, torch.float64, torch.device("cpu"), 32)
+    attn.plan(batch)
+    ours = attn.run(q_nope, q_pe, ckv, kpe, w)
+    expanded_rows = attn._split.expanded_rows.tolist()
+    assert expanded_rows == [*range(0, 40), *range(46, 78)]
+    assert_equals_the_expanded_form(ours, starts, lengths, tables, ckv, kpe, q_nope, q_pe, w)
+
+
+@pytest.mark.parametrize("lengths", [[40, 33], [50]], ids=["second-chunk", "one-prompt"])
+def test_a_step_over_the_expansion_budget_attends_the_rest_absorbed(monkeypatch, lengths):
+    """At most `_EXPANDED_TOKEN_HEADS` cached tokens x heads (45 tokens here) are up-projected
+    per step: the chunk that would pass it attends absorbed."""
+    monkeypatch.setattr(latent_attention, "_EXPANDED_TOKEN_HEADS", 45 * HEADS)
+    starts = [0, 12][: len(lengths)]
+    batch, tables, ckv, kpe, q_nope, q_pe, w = random_step(starts, lengths, seed=2)
+    attn = make_latent_attention(SHAPE, torch.float64, torch.device("cpu"), 32)
+    attn.plan(batch)
+    ours = attn.run(q_nope, q_pe, ckv, kpe, w)
+    split = attn._split
+    assert (split.expanded_slots is not None, split.absorbed is not None) == (
+        (True, True) if len(lengths) == 2 else (False, True)
+    )
+    assert_equals_the_expanded_form(ours, starts, lengths, tables, ckv, kpe, q_nope, q_pe, w)

@@ -1,4 +1,5 @@
-"""FlashInfer's MLA against the reference latent attention (CUDA; skipped elsewhere)."""
+"""FlashInfer's MLA (absorbed) and ragged prefill (expanded) against the reference latent
+attention (CUDA; skipped elsewhere)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import torch
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.latent_attention import (
     FlashInferPagedLatentAttention,
+    FlashInferRaggedAttention,
     LatentShape,
+    MultiHeadLatentAttention,
     TorchPagedLatentAttention,
+    TorchRaggedAttention,
+    make_latent_attention,
 )
 
 pytestmark = pytest.mark.gpu
 
-RANK, ROPE, BLOCK, NUM_BLOCKS = 512, 64, 16, 256
+RANK, ROPE, NOPE, V, BLOCK, NUM_BLOCKS = 512, 64, 128, 128, 16, 256
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -53,7 +58,7 @@ def test_flashinfer_latent_attention_equals_the_reference(heads, starts, chunks)
     tokens = sum(chunks)
     q_latent = torch.randn(tokens, heads, RANK, device="cuda", generator=g).bfloat16() * 0.05
     q_pe = torch.randn(tokens, heads, ROPE, device="cuda", generator=g).bfloat16() * 0.05
-    shape = LatentShape(heads, RANK, ROPE, scale=192**-0.5)
+    shape = LatentShape(heads, RANK, ROPE, NOPE, V, scale=192**-0.5)
     fast = FlashInferPagedLatentAttention(shape, torch.bfloat16, torch.device("cuda"), 64)
     ref = TorchPagedLatentAttention(shape)
     for attn in (fast, ref):
@@ -73,7 +78,7 @@ def test_graph_plan_equals_the_eager_plan_for_a_padded_decode_batch():
     real = tables(lengths, g)
     dummy = NUM_BLOCKS - 1
     pad = bucket - len(starts)
-    shape = LatentShape(heads, RANK, ROPE, scale=192**-0.5)
+    shape = LatentShape(heads, RANK, ROPE, NOPE, V, scale=192**-0.5)
     attn = FlashInferPagedLatentAttention(shape, torch.bfloat16, torch.device("cuda"), 64,
                                           graph_buckets=(4, bucket))  # fmt: skip
     eager = ForwardBatch.build([[0]] * 3, starts, real, [True] * 3, BLOCK, torch.device("cuda"))
@@ -92,3 +97,31 @@ def test_graph_plan_equals_the_eager_plan_for_a_padded_decode_batch():
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out[:3], want) < 1e-2
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(("starts", "chunks"), [
+    ([0], [1000]),  # one prompt: all expanded
+    ([130, 0, 511, 64, 7], [300, 16, 1, 200, 171]),  # long chunks expanded, the rest absorbed
+])  # fmt: skip
+def test_both_forms_on_flashinfer_equal_the_references(heads, starts, chunks):
+    g, ckv, kpe = caches(heads + len(chunks))
+    lengths = [s + n for s, n in zip(starts, chunks, strict=True)]
+    batch = ForwardBatch.build([[0] * n for n in chunks], starts, tables(lengths, g),
+                               [True] * len(chunks), BLOCK, torch.device("cuda"))  # fmt: skip
+    tokens = sum(chunks)
+    q_nope = torch.randn(tokens, heads, NOPE, device="cuda", generator=g).bfloat16()
+    q_pe = torch.randn(tokens, heads, ROPE, device="cuda", generator=g).bfloat16()
+    kv_b = (torch.randn(heads, NOPE + V, RANK, device="cuda", generator=g) * 0.05).bfloat16()
+    shape = LatentShape(heads, RANK, ROPE, NOPE, V, scale=192**-0.5)
+    fast = make_latent_attention(shape, torch.bfloat16, torch.device("cuda"), 128)
+    assert isinstance(fast.absorbed, FlashInferPagedLatentAttention)
+    assert isinstance(fast.expanded, FlashInferRaggedAttention)
+    references = TorchPagedLatentAttention(shape), TorchRaggedAttention(shape.scale)
+    ref = MultiHeadLatentAttention(shape, *references, torch.device("cuda"))
+    for attn in (fast, ref):
+        attn.plan(batch)
+    assert fast._split.expanded_slots is not None
+    ours = fast.run(q_nope, q_pe, ckv, kpe, kv_b)
+    assert ours.shape == (tokens, heads, V)
+    assert rel_err(ours, ref.run(q_nope, q_pe, ckv, kpe, kv_b)) < 1e-2

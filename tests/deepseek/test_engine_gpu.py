@@ -74,10 +74,14 @@ def small(tmp_path_factory):
 
 
 def test_the_engine_runs_flashinfer_mla_and_decode_graphs(small):
-    from pegainfer.core.latent_attention import FlashInferPagedLatentAttention
+    from pegainfer.core.latent_attention import (
+        FlashInferPagedLatentAttention,
+        FlashInferRaggedAttention,
+    )
 
     _, engine = small
-    assert isinstance(engine.model.attn, FlashInferPagedLatentAttention)
+    assert isinstance(engine.model.attn.absorbed, FlashInferPagedLatentAttention)
+    assert isinstance(engine.model.attn.expanded, FlashInferRaggedAttention)
     assert engine.graphs is not None and 16 in engine.graphs.buckets
 
 

@@ -87,6 +87,23 @@ class PagedIndex:
         )
 
 
+class PlanStaging:
+    """FlashInfer's plan() stages its schedule in a pinned host buffer and copies it
+    asynchronously; planning again before that copy ran would overwrite it in flight. Each
+    plan runs as `with staging: wrapper.plan(...)`, after the previous one's copy."""
+
+    def __init__(self) -> None:
+        self._planned: torch.cuda.Event | None = None
+
+    def __enter__(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def __exit__(self, *exc: object) -> None:
+        self._planned = torch.cuda.Event()
+        self._planned.record()
+
+
 class FlashInferPagedAttention(PagedAttention):
     def __init__(
         self,
@@ -124,55 +141,46 @@ class FlashInferPagedAttention(PagedAttention):
             for bucket in graph_buckets
         }
         self._active = self._prefill
-        self._planned: torch.cuda.Event | None = None
-
-    def _await_previous_plan(self) -> None:
-        """FlashInfer's plan() stages its schedule in one pinned host buffer and copies it
-        asynchronously; planning again before that copy ran would overwrite it in flight."""
-        if self._planned is not None:
-            self._planned.synchronize()
-        self._planned = torch.cuda.Event()
+        self._staging = PlanStaging()
 
     def plan(self, batch: ForwardBatch) -> None:
-        self._await_previous_plan()
         index = PagedIndex.of(batch, self.device)
         qo_indptr = batch.query_start_loc_cpu.pin_memory()
         s = self.shape
-        self._prefill.plan(
-            qo_indptr,
-            index.kv_indptr,
-            index.kv_indices,
-            index.last_page_len,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            batch.block_size,
-            causal=True,
-            sm_scale=s.scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-        )
-        self._planned.record()
+        with self._staging:
+            self._prefill.plan(
+                qo_indptr,
+                index.kv_indptr,
+                index.kv_indices,
+                index.last_page_len,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                batch.block_size,
+                causal=True,
+                sm_scale=s.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
         self._active = self._prefill
 
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
-        self._await_previous_plan()
         index = PagedIndex.of(batch, self.device)
         s = self.shape
         wrapper = self._graph_decode[bucket]
-        wrapper.plan(
-            index.kv_indptr,
-            index.kv_indices,
-            index.last_page_len,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            batch.block_size,
-            sm_scale=s.scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-        )
-        self._planned.record()
+        with self._staging:
+            wrapper.plan(
+                index.kv_indptr,
+                index.kv_indices,
+                index.last_page_len,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                batch.block_size,
+                sm_scale=s.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
         self._active = wrapper
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:

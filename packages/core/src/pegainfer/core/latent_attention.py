@@ -1,30 +1,50 @@
-"""Paged latent (MLA) attention: one interface, a torch reference and a FlashInfer backend.
+"""Multi-head latent attention (MLA) over a paged latent cache, in its absorbed and expanded
+forms: one interface, torch references and FlashInfer backends.
 
-Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-5) caches per token one latent and
-one roped key shared by all heads (`ops.latent_attention`). A line absorbs its key
-up-projection into the query and its value up-projection after the output, so attention runs
-in latent space for every row, prefill chunks and decodes alike, and never expands the cache.
+MLA (DeepSeek-V2/V3, Kimi-K2, GLM-5) caches per token one latent c and one roped key k_pe
+shared by all heads (`ops.latent_attention`); each head's key is [W_uk c | k_pe] and its value
+W_uv c, with W_uk, W_uv the rows of the line's `kv_b` up-projection. Both forms give the same
+result in exact arithmetic and differ in cost:
+
+- absorbed: W_uk folds into the query and W_uv applies after, so attention runs in latent space
+  (q·k over latent + rope dims, the output in latent dims) straight over the paged cache;
+- expanded: the sequence's cached latents are up-projected to per-head keys and values, then
+  ordinary causal attention (q·k over nope + rope dims, values of `value_dim`).
+
+Expanding costs 2·latent·(nope + value) FLOPs per head and cached token; each query row then
+saves 2(2·latent + rope) − 2(nope + rope + value) per head and cached token. So a chunk of at
+least `LatentShape.expand_min_rows` rows (171 for DeepSeek's 512/64/128/128) attends expanded,
+and decodes and short chunks absorbed, whatever their prefix. The expanded form holds the
+up-projected keys and values of the step's expanded sequences at once, so a step expands at most
+`_EXPANDED_TOKEN_HEADS` cached tokens × heads (~1.3 GB transient in bf16); sequences past that
+attend absorbed.
 
 As for GQA (`core.attention`), a model plans once per step outside any CUDA graph and calls
-`run` in every layer; pure-decode steps replay graphs planned per batch-size bucket over fixed
-index buffers. FlashInfer's MLA kernels take a latent of 512 and a rope key of 64 (every
-DeepSeek-V2/V3-style checkpoint); other sizes (the tiny test models) run the reference.
+`run` in every layer; pure-decode steps (all absorbed) replay graphs planned per batch-size
+bucket over fixed index buffers. FlashInfer's MLA kernels take a latent of 512 and a rope key of
+64 (every DeepSeek-V2/V3-style checkpoint); other sizes (the tiny test models) run the
+references.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from pegainfer.core.attention import PagedIndex
+from pegainfer.core.attention import PagedIndex, PlanStaging
 from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.ops.latent_attention import paged_latent_attention
+from pegainfer.core.ops.latent_attention import paged_latent_attention, ragged_attention
 
 _WORKSPACE_BYTES = 128 << 20
 # (latent_dim, rope_dim) FlashInfer's MLA kernels are built for.
 FLASHINFER_LATENT_SHAPES = {(512, 64)}
+# The most cached tokens × heads one step up-projects for the expanded form.
+_EXPANDED_TOKEN_HEADS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -32,6 +52,9 @@ class LatentShape:
     num_heads: int
     latent_dim: int
     rope_dim: int
+    #: A head's key dims without the rope part, and its value dims (the expanded form).
+    nope_dim: int
+    value_dim: int
     #: Softmax scale of the scores (the line's, e.g. with YaRN's mscale folded in).
     scale: float
 
@@ -39,9 +62,19 @@ class LatentShape:
     def flashinfer_supported(self) -> bool:
         return (self.latent_dim, self.rope_dim) in FLASHINFER_LATENT_SHAPES
 
+    @property
+    def expand_min_rows(self) -> float:
+        """The chunk length from which the expanded form costs fewer FLOPs (module doc)."""
+        per_token = 2 * self.latent_dim * (self.nope_dim + self.value_dim)
+        saved = 2 * (2 * self.latent_dim + self.rope_dim) - 2 * (
+            self.nope_dim + self.rope_dim + self.value_dim
+        )
+        return math.ceil(per_token / saved) if saved > 0 else math.inf
+
 
 class PagedLatentAttention(ABC):
-    """Causal attention of a step's absorbed queries over each sequence's paged latents."""
+    """The absorbed form: causal attention of a step's absorbed queries over each sequence's
+    paged latents."""
 
     def __init__(self, shape: LatentShape) -> None:
         self.shape = shape
@@ -105,8 +138,8 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
         super().__init__(shape)
         self.dtype = dtype
         self.device = device
-        self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._eager = BatchMLAPagedAttentionWrapper(self._workspace, backend="fa2")
+        self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._eager = BatchMLAPagedAttentionWrapper(self.workspace, backend="fa2")
         largest = max(graph_buckets, default=0)
         qo_indptr = torch.arange(largest + 1, dtype=torch.int32, device=device)
         kv_indptr = torch.zeros(largest + 1, dtype=torch.int32, device=device)
@@ -114,7 +147,7 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
         kv_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self._graph = {
             bucket: BatchMLAPagedAttentionWrapper(
-                self._workspace,
+                self.workspace,
                 use_cuda_graph=True,
                 qo_indptr=qo_indptr[: bucket + 1],
                 kv_indptr=kv_indptr[: bucket + 1],
@@ -125,31 +158,26 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
             for bucket in graph_buckets
         }
         self._active = self._eager
-        self._planned: torch.cuda.Event | None = None
+        self._staging = PlanStaging()
 
     def _plan(self, wrapper, batch: ForwardBatch) -> None:
-        # FlashInfer stages a plan's schedule in one pinned host buffer and copies it
-        # asynchronously: planning again before that copy ran would overwrite it in flight.
-        if self._planned is not None:
-            self._planned.synchronize()
         index = PagedIndex.of(batch, self.device)
         s = self.shape
-        wrapper.plan(
-            batch.query_start_loc_cpu.pin_memory(),
-            index.kv_indptr,
-            index.kv_indices,
-            torch.tensor(batch.seq_lens_cpu, dtype=torch.int32).pin_memory(),
-            s.num_heads,
-            s.latent_dim,
-            s.rope_dim,
-            batch.block_size,
-            True,  # causal: a chunk's rows see the cache up to their own positions
-            s.scale,
-            self.dtype,
-            self.dtype,
-        )
-        self._planned = torch.cuda.Event()
-        self._planned.record()
+        with self._staging:
+            wrapper.plan(
+                batch.query_start_loc_cpu.pin_memory(),
+                index.kv_indptr,
+                index.kv_indices,
+                torch.tensor(batch.seq_lens_cpu, dtype=torch.int32).pin_memory(),
+                s.num_heads,
+                s.latent_dim,
+                s.rope_dim,
+                batch.block_size,
+                True,  # causal: a chunk's rows see the cache up to their own positions
+                s.scale,
+                self.dtype,
+                self.dtype,
+            )
         self._active = wrapper
 
     def plan(self, batch: ForwardBatch) -> None:
@@ -168,16 +196,206 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
         return self._active.run(q_latent, q_pe, ckv_layer, kpe_layer)
 
 
+class RaggedAttention(ABC):
+    """The expanded form's attention: packed queries over packed keys and values, causal per
+    sequence with the last query row seeing all of the sequence's keys."""
+
+    @abstractmethod
+    def plan(self, q_lens: list[int], kv_lens: list[int]) -> None:
+        """Prepare for `run` calls over sequences of these lengths (once per step)."""
+
+    @abstractmethod
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [rows, heads, qk], k [keys, heads, qk], v [keys, heads, value] → [rows, heads,
+        value]."""
+
+
+class TorchRaggedAttention(RaggedAttention):
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def plan(self, q_lens: list[int], kv_lens: list[int]) -> None:
+        self._lens = (q_lens, kv_lens)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ragged_attention(q, k, v, *self._lens, self.scale)
+
+
+class FlashInferRaggedAttention(RaggedAttention):
+    """FlashInfer's ragged prefill (causal, bottom-right aligned), query/key dims apart from
+    value dims."""
+
+    def __init__(self, shape: LatentShape, dtype: torch.dtype, workspace: torch.Tensor) -> None:
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+        self.shape = shape
+        self.dtype = dtype
+        self._wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        self._staging = PlanStaging()
+
+    def plan(self, q_lens: list[int], kv_lens: list[int]) -> None:
+        s = self.shape
+        with self._staging:
+            self._wrapper.plan(
+                _indptr(q_lens), _indptr(kv_lens), s.num_heads, s.num_heads,
+                s.nope_dim + s.rope_dim, s.value_dim, causal=True, sm_scale=s.scale,
+                q_data_type=self.dtype, kv_data_type=self.dtype,
+            )  # fmt: skip
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._wrapper.run(q, k, v)
+
+
+def _indptr(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, out=out[1:])
+    return out
+
+
+@dataclass
+class _Split:
+    """A step's sequences by form: the absorbed ones as a batch of their own (None: none) and
+    the rows of each form (None: every row of the step is of that form)."""
+
+    absorbed: ForwardBatch | None
+    absorbed_rows: torch.Tensor | None
+    expanded_rows: torch.Tensor | None
+    #: The cache slots of every token of the expanded sequences, sequence after sequence.
+    expanded_slots: torch.Tensor | None
+
+
+class MultiHeadLatentAttention:
+    """A model's MLA: plans each step's split between the two forms, and runs both with the
+    layer's up-projection `kv_b` [heads, nope + value, latent]."""
+
+    def __init__(
+        self,
+        shape: LatentShape,
+        absorbed: PagedLatentAttention,
+        expanded: RaggedAttention,
+        device: torch.device,
+    ) -> None:
+        self.shape = shape
+        self.absorbed = absorbed
+        self.expanded = expanded
+        self.device = device
+        self._split = _Split(None, None, None, None)
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Split the step's sequences between the forms and plan each (outside any graph)."""
+        budget, expand = _EXPANDED_TOKEN_HEADS // self.shape.num_heads, []
+        for i, (q_len, seq_len) in enumerate(
+            zip(batch.query_lens_cpu, batch.seq_lens_cpu, strict=True)
+        ):
+            if q_len >= self.shape.expand_min_rows and seq_len <= budget:
+                expand.append(i)
+                budget -= seq_len
+        if not expand:
+            self._split = _Split(batch, None, None, None)
+            self.absorbed.plan(batch)
+            return
+        keep = [i for i in range(batch.num_seqs) if i not in set(expand)]
+        absorbed = _sub_batch(batch, keep) if keep else None
+        if absorbed is not None:
+            self.absorbed.plan(absorbed)
+        self.expanded.plan([batch.query_lens_cpu[i] for i in expand],
+                           [batch.seq_lens_cpu[i] for i in expand])  # fmt: skip
+        slots = torch.cat([_token_slots(batch, i) for i in expand])
+        self._split = _Split(
+            absorbed,
+            self._rows(batch, keep) if keep else None,
+            self._rows(batch, expand) if keep else None,
+            self._to_device(slots),
+        )
+
+    def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        """Plan a pure-decode batch padded to `bucket` rows (all absorbed) for a graph."""
+        self._split = _Split(batch, None, None, None)
+        self.absorbed.plan_graph(batch, bucket)
+
+    def run(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv_layer: torch.Tensor,
+        kpe_layer: torch.Tensor,
+        kv_b: torch.Tensor,
+    ) -> torch.Tensor:
+        """q_nope [tokens, heads, nope], q_pe [tokens, heads, rope] (roped), one layer's
+        caches (this step's latents already written) → out [tokens, heads, value]."""
+        split, nope = self._split, self.shape.nope_dim
+        w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
+        if split.expanded_slots is None:
+            return self._absorbed(q_nope, q_pe, ckv_layer, kpe_layer, w_uk, w_uv)
+        if split.absorbed is None:
+            return self._expanded(q_nope, q_pe, ckv_layer, kpe_layer, kv_b)
+        tokens, heads = q_nope.shape[:2]
+        out = q_nope.new_empty(tokens, heads, self.shape.value_dim)
+        rows = split.absorbed_rows
+        out[rows] = self._absorbed(q_nope[rows], q_pe[rows], ckv_layer, kpe_layer, w_uk, w_uv)
+        rows = split.expanded_rows
+        out[rows] = self._expanded(q_nope[rows], q_pe[rows], ckv_layer, kpe_layer, kv_b)
+        return out
+
+    def _absorbed(self, q_nope, q_pe, ckv_layer, kpe_layer, w_uk, w_uv) -> torch.Tensor:
+        # Head-major ([heads, tokens, ...]) around attention, which reads and writes that
+        # layout through strides: nothing is transposed in memory.
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        latent = self.absorbed.run(q_latent, q_pe, ckv_layer, kpe_layer)
+        return torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _expanded(self, q_nope, q_pe, ckv_layer, kpe_layer, kv_b) -> torch.Tensor:
+        s, slots = self.shape, self._split.expanded_slots
+        c = ckv_layer.flatten(0, 1)[slots]
+        k_pe = kpe_layer.flatten(0, 1)[slots]
+        kv = F.linear(c, kv_b.flatten(0, 1)).view(-1, s.num_heads, s.nope_dim + s.value_dim)
+        k = torch.cat((kv[..., : s.nope_dim], k_pe[:, None].expand(-1, s.num_heads, -1)), -1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        return self.expanded.run(q, k, kv[..., s.nope_dim :].contiguous())
+
+    def _rows(self, batch: ForwardBatch, seqs: list[int]) -> torch.Tensor:
+        starts = batch.query_start_loc_cpu.tolist()
+        return self._to_device(torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+
+def _sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:
+    """The attention metadata of some of a step's sequences (their rows renumbered)."""
+    q_lens = [batch.query_lens_cpu[i] for i in seqs]
+    return dataclasses.replace(
+        batch,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=[batch.seq_lens_cpu[i] for i in seqs],
+        block_tables_cpu=[batch.block_tables_cpu[i] for i in seqs],
+        query_start_loc_cpu=_indptr(q_lens),
+    )
+
+
+def _token_slots(batch: ForwardBatch, seq: int) -> torch.Tensor:
+    """The cache slot of each of sequence `seq`'s tokens, positions 0.. seq_len - 1."""
+    bs, seq_len = batch.block_size, batch.seq_lens_cpu[seq]
+    positions = torch.arange(seq_len)
+    table = torch.tensor(batch.block_tables_cpu[seq][: -(-seq_len // bs)])
+    return table[positions // bs] * bs + positions % bs
+
+
 def make_latent_attention(
     shape: LatentShape,
     dtype: torch.dtype,
     device: torch.device,
     max_pages_per_seq: int,
     graph_buckets: tuple[int, ...] = (),
-) -> PagedLatentAttention:
-    """FlashInfer on CUDA for the latent sizes it covers, the torch reference otherwise."""
+) -> MultiHeadLatentAttention:
+    """FlashInfer on CUDA for the latent sizes it covers, the torch references otherwise."""
     if device.type == "cuda" and shape.flashinfer_supported:
-        return FlashInferPagedLatentAttention(
+        absorbed = FlashInferPagedLatentAttention(
             shape, dtype, device, max_pages_per_seq, graph_buckets
         )
-    return TorchPagedLatentAttention(shape)
+        expanded: RaggedAttention = FlashInferRaggedAttention(shape, dtype, absorbed.workspace)
+    else:
+        absorbed, expanded = TorchPagedLatentAttention(shape), TorchRaggedAttention(shape.scale)
+    return MultiHeadLatentAttention(shape, absorbed, expanded, device)

@@ -8,11 +8,13 @@ all-reduce sums routed and shared outputs); the latent cache is whole on every r
 
 Each cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per
 layer) and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA
-kernels read. Attention always runs in the absorbed form (`core.latent_attention`: the key
-up-projection folded into the query, the value one applied to the latent output), prefill and
-decode alike: FlashInfer's MLA on CUDA for V2/V3 latent sizes, the torch reference otherwise;
-it equals transformers' expanded form in exact arithmetic. Routed experts are stacked
-(`RoutedExperts`): a fused Triton MoE on CUDA (`kernels`), expert by expert on the CPU.
+kernels read. Attention is core's (`core.latent_attention`, given `kv_b_proj` per head): long
+prefill chunks in the expanded form (cached latents up-projected to keys and values, FlashInfer's
+ragged prefill on CUDA), decodes and short chunks absorbed (the key up-projection folded into the
+query, the value one applied to the latent output, FlashInfer's MLA on CUDA); torch references
+elsewhere. Routed experts are stacked (`RoutedExperts`): a fused Triton MoE on CUDA
+(`moe_kernels`), expert by expert on the CPU; MLA's attention input is one Triton kernel on
+CUDA (`latent_kernels`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from torch import nn
 from pegainfer.core import parallel
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
-from pegainfer.core.latent_attention import LatentShape, PagedLatentAttention, make_latent_attention
+from pegainfer.core.latent_attention import (
+    LatentShape,
+    MultiHeadLatentAttention,
+    make_latent_attention,
+)
 from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import rms_norm
@@ -65,7 +71,7 @@ class LatentAttention(nn.Module):
         ckv: torch.Tensor,
         kpe: torch.Tensor,
         rope: ops.InterleavedRope,
-        attn: PagedLatentAttention,
+        attn: MultiHeadLatentAttention,
     ) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
         if cfg.q_lora_rank is None:
@@ -82,14 +88,8 @@ class LatentAttention(nn.Module):
             _LATENT_NORM_EPS,
         )  # fmt: skip
         q_nope = q.view(tokens, cfg.num_heads, -1)[..., : cfg.qk_nope_head_dim]
-        # Absorbed: W_uk folds into the query, W_uv applies to the latent output. Both run
-        # head-major ([heads, tokens, ...]); attention reads and writes that layout through
-        # strides, so nothing is transposed in memory until the output projection.
-        w = self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
-        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        latent = attn.run(q_latent, q_pe, ckv, kpe)
-        out = torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        kv_b = self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        out = attn.run(q_nope, q_pe, ckv, kpe, kv_b)
         return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
 
 
@@ -206,11 +206,12 @@ class DeepseekV2ForCausalLM(Model):
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
         self.rope: ops.InterleavedRope | None = None
         self.latent_shape = LatentShape(
-            cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale
-        )
+            cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+            cfg.v_head_dim, cfg.softmax_scale,
+        )  # fmt: skip
         # Decode graphs need FlashInfer's MLA (the reference attention plans on the host).
         self.supports_cuda_graphs = self.latent_shape.flashinfer_supported
-        self.attn: PagedLatentAttention | None = None
+        self.attn: MultiHeadLatentAttention | None = None
         self.ops: LayerOps | None = None
 
     @property
