@@ -106,6 +106,22 @@ def test_what_tensor_parallelism_does_not_cover_yet_is_refused(checkpoint):
         make_engine(checkpoint, tensor_parallel_size=2, kv_offload=True)
 
 
+@pytest.mark.parametrize(("device", "visible", "error"), [
+    ("cuda", 1, "needs 2 GPUs; 1 are visible"),
+    ("cuda:1", 4, "CUDA_VISIBLE_DEVICES"),
+    ("mps", 0, "CUDA or the CPU"),
+])  # fmt: skip
+def test_tensor_parallel_gpus_are_checked_before_any_worker_starts(monkeypatch, device, visible,
+                                                                   error):  # fmt: skip
+    from pegainfer.core.args import EngineArgs
+    from pegainfer.core.engine import EngineCore
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    args = EngineArgs(model="unused", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=error):
+        EngineCore._check_tensor_parallel(args, torch.device(device))
+
+
 def test_nvlink_multicast_stays_off_unless_the_user_says_otherwise(monkeypatch):
     from pegainfer.core.tensor_parallel import keep_multicast_off
 

@@ -90,7 +90,7 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(
         1,
         "Processes (one per device) that each hold a share of the model's heads, MLP width and "
-        "vocabulary; the CPU (gloo) only for now.",
+        "vocabulary: GPUs 0..N-1 of those visible (NCCL), or CPU processes (gloo).",
     )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
 

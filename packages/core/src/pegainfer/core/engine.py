@@ -26,7 +26,7 @@ from pegainfer.core.kv_cache import (
     bytes_per_block,
 )
 from pegainfer.core.kv_offload import HostMemoryTier
-from pegainfer.core.memory import plan_gpu_kv, profile_step_peak
+from pegainfer.core.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
@@ -36,7 +36,12 @@ from pegainfer.core.request import Request
 from pegainfer.core.sampler import ScoredTokens, sample_requests
 from pegainfer.core.scheduler import SchedulerConfig, SchedulerStep
 from pegainfer.core.structured_output import Grammars
-from pegainfer.core.tensor_parallel import CacheShape, TensorParallelRanks, WorkerSpec
+from pegainfer.core.tensor_parallel import (
+    CacheShape,
+    GraphSpec,
+    TensorParallelRanks,
+    WorkerSpec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +165,8 @@ class EngineCore:
         use_graphs = cuda and not args.enforce_eager and self.model.supports_cuda_graphs
         buckets = graph_buckets(args.max_num_seqs) if use_graphs else ()
         runtime = RuntimeConfig(args.block_size, max_model_len, buckets)
+        if self.ranks is not None:
+            self.ranks.init_runtime(runtime)
         self.model.init_runtime(runtime)
         specs = self.model.kv_arenas(args.block_size)
         states = self.model.state_arenas()
@@ -175,7 +182,7 @@ class EngineCore:
         num_slots = args.max_num_seqs + checkpoints + int(bool(buckets)) if states else 0
         state_bytes = num_slots * sum(spec.bytes_per_slot for spec in states)
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
-            args, specs, device, max_model_len, states, state_bytes
+            args, specs, device, max_model_len, num_slots
         )
         if num_blocks * args.block_size < max_model_len:
             raise ConfigError(
@@ -187,8 +194,7 @@ class EngineCore:
         # replays read and write it.
         self.kv_cache = KVCache(specs, num_blocks + int(cuda), device, states, num_slots)
         if self.ranks is not None:
-            shape = CacheShape(runtime, args.block_size, num_blocks + int(cuda), num_slots)
-            self.ranks.share(shape)
+            self.ranks.share(CacheShape(args.block_size, num_blocks + int(cuda), num_slots))
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)%s",
             num_blocks,
@@ -201,10 +207,15 @@ class EngineCore:
         )
         self.graphs: DecodeGraphs | None = None
         if buckets:
-            dummy_slot = num_slots - 1 if states else None
-            self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, buckets, num_blocks, args.block_size, device, dummy_slot
+            graph_spec = GraphSpec(
+                buckets, num_blocks, args.block_size, num_slots - 1 if states else None
             )
+            if self.ranks is not None:
+                self.ranks.capture_graphs(graph_spec)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, graph_spec.buckets, graph_spec.dummy_block,
+                graph_spec.block_size, device, graph_spec.dummy_slot,
+            )  # fmt: skip
             self.graphs.capture()
         self.config = EngineConfig(
             model_dir=model_dir,
@@ -278,11 +289,20 @@ class EngineCore:
 
     @staticmethod
     def _check_tensor_parallel(args: EngineArgs, device: torch.device) -> None:
-        if device.type != "cpu":
-            raise ConfigError(
-                "--tensor-parallel-size above 1 runs on the CPU (gloo) only for now: the NCCL "
-                "path is not verified on GPUs yet"
-            )
+        world = args.tensor_parallel_size
+        if device.type == "cuda":
+            if device.index not in (None, 0):
+                raise ConfigError(
+                    "tensor parallelism runs on the first --tensor-parallel-size visible GPUs: "
+                    "pick them with CUDA_VISIBLE_DEVICES rather than --device"
+                )
+            if torch.cuda.device_count() < world:
+                raise ConfigError(
+                    f"--tensor-parallel-size {world} needs {world} GPUs; "
+                    f"{torch.cuda.device_count()} are visible"
+                )
+        elif device.type != "cpu":
+            raise ConfigError(f"tensor parallelism runs on CUDA or the CPU, not {device.type}")
         if args.kv_offload:
             raise ConfigError("--kv-offload does not work with tensor parallelism yet")
 
@@ -297,26 +317,19 @@ class EngineCore:
         specs: list[ArenaSpec],
         device: torch.device,
         max_model_len: int,
-        states: list[StateSpec],
-        state_bytes: int,
+        num_slots: int,
     ) -> int:
         if device.type == "cpu":
             # Never more than every sequence slot at full length could use.
             useful = args.max_num_seqs * -(-max_model_len // args.block_size)
             return min(useful, blocks_for_memory(specs, int(args.cpu_kv_cache_gib * _GIB)))
-        peak = profile_step_peak(
-            self.model,
-            specs,
-            states,
-            args.block_size,
-            args.max_num_batched_tokens,
-            args.max_num_seqs,
-            max_model_len,
-            device,
-        )
-        return plan_gpu_kv(
-            specs, args.gpu_memory_utilization, peak + state_bytes, device
-        ).num_blocks
+        sizing = KVSizing(args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
+                          max_model_len, args.gpu_memory_utilization, num_slots)  # fmt: skip
+
+        def fit() -> int:
+            return fit_kv_blocks(self.model, sizing, device)
+
+        return fit() if self.ranks is None else self.ranks.size_kv(sizing, fit)
 
     def check_request(self, msg: EngineRequest) -> int:
         """Validate a request against the model; return its resolved max_tokens."""

@@ -100,6 +100,31 @@ def profile_step_peak(
     return peak
 
 
+@dataclass(frozen=True)
+class KVSizing:
+    """What the KV cache's size on a GPU depends on besides the model (under tensor
+    parallelism rank 0 sends it, and every rank sizes its own shard the same way)."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    #: Recurrent-state slots the cache holds beside the blocks.
+    num_slots: int
+
+
+def fit_kv_blocks(model: Model, sizing: KVSizing, device: torch.device) -> int:
+    """The KV blocks that fit beside the model, its recurrent state and its largest step."""
+    specs, states = model.kv_arenas(sizing.block_size), model.state_arenas()
+    state_bytes = sizing.num_slots * sum(spec.bytes_per_slot for spec in states)
+    peak = profile_step_peak(
+        model, specs, states, sizing.block_size, sizing.max_num_batched_tokens,
+        sizing.max_num_seqs, sizing.max_model_len, device,
+    )  # fmt: skip
+    return plan_gpu_kv(specs, sizing.gpu_memory_utilization, peak + state_bytes, device).num_blocks
+
+
 def plan_gpu_kv(
     specs: list[ArenaSpec], utilization: float, step_peak: int, device: torch.device
 ) -> MemoryPlan:

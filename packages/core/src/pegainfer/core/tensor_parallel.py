@@ -1,14 +1,20 @@
 """The ranks of a tensor-parallel engine: rank 0 is the engine's own process (scheduler,
 sampler, rank 0's share of the model); ranks 1..N-1 are worker processes it starts, each
-holding its share of the model and of the KV cache. Every step rank 0 broadcasts the step's
-plan (the arguments of `ForwardBatch.build`), and every rank runs the forward; the row-parallel
-layers' all-reduces keep them in step, and only rank 0 samples.
+holding its share of the model and of the KV cache, on GPU `rank` (CUDA) or the CPU.
 
-A worker that died is noticed before the next broadcast and fails the engine with a clear
-error; collectives time out rather than hang (`TIMEOUT`). Under async scheduling, a step's
-decode rows take the ids the step before samples on rank 0: rank 0 broadcasts them once fed.
-CPU only (gloo) for now: NCCL and CUDA graphs across ranks are not built yet
-(docs/parallelism.md).
+Rank 0 tells the workers what to do, in the order it does the same itself, so every
+collective of the forward pass meets its peers: set up the per-step machinery (`RuntimeConfig`),
+size the KV cache (on GPUs every rank runs the profiling step, which all-reduces, and the
+smallest block count wins), allocate it, capture the decode CUDA graphs (the same buckets in
+the same order on every rank: their warm-up steps all-reduce), then per step the step's plan
+(the arguments of `ForwardBatch.build`). Every rank runs the forward, replaying a graph exactly
+when rank 0 does (`DecodeGraphs.can_run` is a function of the plan); only rank 0 samples.
+
+Two process groups on GPUs: the forward's collectives over NCCL, rank 0's messages over gloo
+on the CPU (broadcasting a plan never waits for the GPU); on the CPU one gloo group does both.
+A worker that died is noticed before the next message and fails the engine with a clear error;
+collectives time out rather than hang (`TIMEOUT`). Under async scheduling, a step's decode rows
+take the ids the step before samples on rank 0: rank 0 broadcasts them once fed.
 """
 
 from __future__ import annotations
@@ -20,18 +26,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pegainfer.core.cuda_graphs import DecodeGraphs
 from pegainfer.core.errors import PegainferError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import KVCache
+from pegainfer.core.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.core.parallel import ParallelGroup
 
+T = TypeVar("T")
 TIMEOUT = timedelta(seconds=60)
 # NVLink multicast (NCCL's NVLS algorithms, torch's symmetric-memory multicast) can take a
 # host's GPUs down; off unless the user sets these themselves.
@@ -66,52 +75,97 @@ class CacheShape:
     """Rank 0's decisions the others must share: block ids and state slots mean the same
     thing on every rank."""
 
-    runtime: RuntimeConfig
     block_size: int
     num_blocks: int
     num_slots: int
 
 
-def _init(rank: int, world: int, port: int) -> ParallelGroup:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=TIMEOUT)  # fmt: skip
-    return ParallelGroup(rank, world, dist.group.WORLD)
+@dataclass(frozen=True)
+class GraphSpec:
+    """The decode graphs every rank captures (`DecodeGraphs`' arguments beyond the model)."""
+
+    buckets: tuple[int, ...]
+    dummy_block: int
+    block_size: int
+    dummy_slot: int | None
 
 
-def _receive() -> Any:
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank `rank`'s device: GPU `rank` on CUDA, else the engine's device."""
+    engine = torch.device(device)
+    return torch.device("cuda", rank) if engine.type == "cuda" else engine
+
+
+def _init(rank: int, world: int, port: int, device: torch.device) -> tuple[ParallelGroup, Any]:
+    """Join the ranks: the forward's group (NCCL on GPUs) and the group rank 0's messages
+    travel over (gloo)."""
+    init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                timeout=TIMEOUT)  # fmt: skip
+    if device.type != "cuda":
+        dist.init_process_group("gloo", **init)
+        return ParallelGroup(rank, world, dist.group.WORLD), dist.group.WORLD
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device, **init)
+    control = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    return ParallelGroup(rank, world, dist.group.WORLD), control
+
+
+def _receive(control: Any) -> Any:
     box = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control)
     return box[0]
+
+
+def _smallest(value: int, control: Any) -> int:
+    """The smallest of every rank's `value`."""
+    box = torch.tensor([value])
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=control)
+    return int(box.item())
 
 
 def _worker(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
     from pegainfer.core.plugins import model_lines
 
-    group = _init(rank, world, port)
+    device = rank_device(spec.device, rank)
+    group, control = _init(rank, world, port, device)
     try:
         line = next(line for line in model_lines() if line.name == spec.line)
-        device = torch.device(spec.device)
         model = line.build_model(ModelContext(spec.model_dir, spec.config, spec.dtype, device,
                                               group))  # fmt: skip
         model.eval()
-        shape: CacheShape = _receive()
-        model.init_runtime(shape.runtime)
-        cache = KVCache(model.kv_arenas(shape.block_size), shape.num_blocks, device,
-                        model.state_arenas(), shape.num_slots)  # fmt: skip
+        cache: KVCache | None = None
+        graphs: DecodeGraphs | None = None
         with torch.inference_mode():
-            while (message := _receive()) is not None:
-                plan, fed = message
-                batch = ForwardBatch.build(**plan, device=device)
-                if fed:  # async scheduling: ids sampled by the step still in flight
-                    dist.broadcast(batch.input_ids, src=0)
-                model.prepare(batch)
-                model(batch, cache)
+            while (message := _receive(control)) is not None:
+                kind, detail = message
+                if kind == "step":
+                    plan, fed = detail
+                    batch = ForwardBatch.build(**plan, device=device)
+                    if fed:  # async scheduling: ids sampled by the step still in flight
+                        dist.broadcast(batch.input_ids, src=0)
+                    if graphs is not None and graphs.can_run(batch):
+                        graphs.run(batch)
+                    else:
+                        model.prepare(batch)
+                        model(batch, cache)
+                elif kind == "runtime":
+                    model.init_runtime(detail)
+                elif kind == "size_kv":
+                    _smallest(fit_kv_blocks(model, detail, device), control)
+                elif kind == "cache":
+                    cache = KVCache(model.kv_arenas(detail.block_size), detail.num_blocks,
+                                    device, model.state_arenas(), detail.num_slots)  # fmt: skip
+                elif kind == "graphs":
+                    graphs = DecodeGraphs(model, cache, detail.buckets, detail.dummy_block,
+                                          detail.block_size, device, detail.dummy_slot)  # fmt: skip
+                    graphs.capture()
     finally:
         dist.destroy_process_group()
 
 
 class TensorParallelRanks:
-    """Rank 0's handle on the workers: start them, share the cache shape, broadcast plans."""
+    """Rank 0's handle on the workers: start them, then have them follow rank 0's set-up and
+    steps (each call here comes right before rank 0 does the same)."""
 
     def __init__(self, world: int, spec: WorkerSpec) -> None:
         keep_multicast_off()
@@ -124,26 +178,40 @@ class TensorParallelRanks:
                         for rank in range(1, world)]  # fmt: skip
         for worker in self.workers:
             worker.start()
-        self.group = _init(0, world, port)
+        self.group, self._control = _init(0, world, port, rank_device(spec.device, 0))
         self._open = True
         atexit.register(self.shutdown)
 
+    def init_runtime(self, runtime: RuntimeConfig) -> None:
+        self._send("runtime", runtime)
+
+    def size_kv(self, sizing: KVSizing, fit: Callable[[], int]) -> int:
+        """Every rank fits its KV cache (rank 0 by `fit`); the smallest block count."""
+        self._send("size_kv", sizing)
+        mine = fit()
+        return self._collective(lambda: _smallest(mine, self._control))
+
     def share(self, shape: CacheShape) -> None:
-        self._broadcast(shape)
+        self._send("cache", shape)
+
+    def capture_graphs(self, spec: GraphSpec) -> None:
+        self._send("graphs", spec)
 
     def run(self, plan: dict[str, Any], fed: bool = False) -> None:
         """Have every worker run the step `plan` describes (rank 0 runs it next). `fed`: the
         batch's input ids follow (`share_inputs`) once rank 0 has fed it the tokens the step
         in flight samples (async scheduling)."""
-        self._broadcast((plan, fed))
+        self._send("step", (plan, fed))
 
     def share_inputs(self, input_ids: torch.Tensor) -> None:
         self._collective(lambda: dist.broadcast(input_ids, src=0))
 
-    def _broadcast(self, message: Any) -> None:
-        self._collective(lambda: dist.broadcast_object_list([message], src=0))
+    def _send(self, kind: str, detail: Any) -> None:
+        self._collective(
+            lambda: dist.broadcast_object_list([(kind, detail)], src=0, group=self._control)
+        )
 
-    def _collective(self, call: Callable[[], object]) -> None:
+    def _collective(self, call: Callable[[], T]) -> T:
         for rank, worker in enumerate(self.workers, start=1):
             if not worker.is_alive():
                 raise RankFailedError(
@@ -151,7 +219,7 @@ class TensorParallelRanks:
                     "the engine cannot continue"
                 )
         try:
-            call()
+            return call()
         except RuntimeError as exc:  # a peer vanished mid-collective or timed out
             raise RankFailedError(f"a tensor-parallel rank stopped answering: {exc}") from exc
 
@@ -162,7 +230,7 @@ class TensorParallelRanks:
         self._open = False
         try:
             if all(worker.is_alive() for worker in self.workers):
-                dist.broadcast_object_list([None], src=0)
+                dist.broadcast_object_list([None], src=0, group=self._control)
         finally:
             for worker in self.workers:
                 worker.join(timeout=10)
