@@ -42,7 +42,7 @@ def random_step(starts: list[int], lengths: list[int], seed: int = 0):
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
-    num_blocks = 64
+    num_blocks = 128
     ckv, kpe = randn(num_blocks, BLOCK, RANK), randn(num_blocks, BLOCK, ROPE)
     perm, tables = torch.randperm(num_blocks, generator=g).tolist(), []
     for start, n in zip(starts, lengths, strict=True):
@@ -82,18 +82,28 @@ def test_absorbed_paged_attention_equals_the_expanded_form():
     assert_equals_the_expanded_form(ours, starts, lengths, tables, ckv, kpe, q_nope, q_pe, w)
 
 
-def test_long_chunks_attend_expanded_and_the_rest_absorbed_with_one_result():
-    """Chunks of at least `expand_min_rows` (32 here) rows take the expanded form, decodes
-    and short chunks the absorbed one, in one step; every row equals the expanded reference."""
-    assert SHAPE.expand_min_rows == 32
-    starts, lengths = [9, 22, 0, 3, 50], [40, 1, 5, 32, 31]
+def test_chunks_split_between_the_forms_by_cost_with_one_result():
+    """Prompts from position 0 and chunks long for their prefix attend expanded, decodes and
+    chunks short for theirs absorbed, in one step; every row equals the expanded reference."""
+    starts, lengths = [9, 22, 0, 3, 200], [40, 1, 5, 32, 20]
+    assert [SHAPE.expands(n, s + n) for s, n in zip(starts, lengths, strict=True)] == [
+        True, False, True, True, False,
+    ]  # fmt: skip
     batch, tables, ckv, kpe, q_nope, q_pe, w = random_step(starts, lengths, seed=1)
-    attn = make_latent_attention(SHAPE, torch.float64, torch.device("cpu"), 32)
+    attn = make_latent_attention(SHAPE, torch.float64, torch.device("cpu"), 64)
     attn.plan(batch)
     ours = attn.run(q_nope, q_pe, ckv, kpe, w)
-    expanded_rows = attn._split.expanded_rows.tolist()
-    assert expanded_rows == [*range(0, 40), *range(46, 78)]
+    assert attn._split.expanded_rows.tolist() == [*range(0, 40), *range(41, 78)]
     assert_equals_the_expanded_form(ours, starts, lengths, tables, ckv, kpe, q_nope, q_pe, w)
+
+
+def test_the_cost_rule_at_deepseeks_sizes():
+    """Latent 512, rope 64, nope and value 128: after a long prefix a chunk expands from ~171
+    rows; a prompt from position 0 always does, a decode never."""
+    shape = LatentShape(16, 512, 64, 128, 128, 0.1)
+    assert shape.expands(300, 300) and shape.expands(1, 1)
+    assert not shape.expands(1, 5000)
+    assert shape.expands(175, 100_000) and not shape.expands(170, 100_000)
 
 
 @pytest.mark.parametrize("lengths", [[40, 33], [50]], ids=["second-chunk", "one-prompt"])

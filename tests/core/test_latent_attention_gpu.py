@@ -102,7 +102,7 @@ def test_graph_plan_equals_the_eager_plan_for_a_padded_decode_batch():
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize(("starts", "chunks"), [
     ([0], [1000]),  # one prompt: all expanded
-    ([130, 0, 511, 64, 7], [300, 16, 1, 200, 171]),  # long chunks expanded, the rest absorbed
+    ([130, 0, 511, 64, 7], [300, 16, 1, 200, 171]),  # chunks expanded by cost, a decode absorbed
 ])  # fmt: skip
 def test_both_forms_on_flashinfer_equal_the_references(heads, starts, chunks):
     g, ckv, kpe = caches(heads + len(chunks))

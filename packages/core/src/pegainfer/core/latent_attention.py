@@ -11,13 +11,16 @@ result in exact arithmetic and differ in cost:
 - expanded: the sequence's cached latents are up-projected to per-head keys and values, then
   ordinary causal attention (q·k over nope + rope dims, values of `value_dim`).
 
-Expanding costs 2·latent·(nope + value) FLOPs per head and cached token; each query row then
-saves 2(2·latent + rope) − 2(nope + rope + value) per head and cached token. So a chunk of at
-least `LatentShape.expand_min_rows` rows (171 for DeepSeek's 512/64/128/128) attends expanded,
-and decodes and short chunks absorbed, whatever their prefix. The expanded form holds the
-up-projected keys and values of the step's expanded sequences at once, so a step expands at most
-`_EXPANDED_TOKEN_HEADS` cached tokens × heads (~1.3 GB transient in bf16); sequences past that
-attend absorbed.
+The up-projections cost 2·latent·(nope + value) FLOPs per head and token they touch: the
+expanded form projects the sequence's every cached token, the absorbed one each query row (W_uk
+in, W_uv out); per (row, visible token) pair the expanded form then saves 2(2·latent + rope) −
+2(nope + rope + value) per head. So a chunk of q rows over a prefix of P tokens attends
+expanded when P·projection < pairs·saving, pairs = q·P + q(q+1)/2 (`LatentShape.expands`): a
+prompt from position 0 always, a decode never, a chunk after a long prefix from ~171 rows at
+DeepSeek's 512/64/128/128. The expanded form holds the up-projected keys and values of the
+step's expanded sequences at once, so a step expands at most `_EXPANDED_TOKEN_HEADS` cached
+tokens × heads (~1.2 GB in bf16 at DeepSeek's sizes, left free by the KV cache:
+`MultiHeadLatentAttention.transient_bytes`); sequences past that attend absorbed.
 
 As for GQA (`core.attention`), a model plans once per step outside any CUDA graph and calls
 `run` in every layer; pure-decode steps (all absorbed) replay graphs planned per batch-size
@@ -29,7 +32,6 @@ references.
 from __future__ import annotations
 
 import dataclasses
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -62,14 +64,15 @@ class LatentShape:
     def flashinfer_supported(self) -> bool:
         return (self.latent_dim, self.rope_dim) in FLASHINFER_LATENT_SHAPES
 
-    @property
-    def expand_min_rows(self) -> float:
-        """The chunk length from which the expanded form costs fewer FLOPs (module doc)."""
-        per_token = 2 * self.latent_dim * (self.nope_dim + self.value_dim)
-        saved = 2 * (2 * self.latent_dim + self.rope_dim) - 2 * (
+    def expands(self, q_len: int, seq_len: int) -> bool:
+        """Whether a chunk of `q_len` rows ending at `seq_len` costs fewer FLOPs expanded."""
+        projection = 2 * self.latent_dim * (self.nope_dim + self.value_dim)
+        saving = 2 * (2 * self.latent_dim + self.rope_dim) - 2 * (
             self.nope_dim + self.rope_dim + self.value_dim
         )
-        return math.ceil(per_token / saved) if saved > 0 else math.inf
+        prefix = seq_len - q_len
+        pairs = q_len * prefix + q_len * (q_len + 1) // 2
+        return prefix * projection < pairs * saving
 
 
 class PagedLatentAttention(ABC):
@@ -273,13 +276,28 @@ class MultiHeadLatentAttention:
         shape: LatentShape,
         absorbed: PagedLatentAttention,
         expanded: RaggedAttention,
+        dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.shape = shape
         self.absorbed = absorbed
         self.expanded = expanded
+        self.dtype = dtype
         self.device = device
         self._split = _Split(None, None, None, None)
+
+    @property
+    def transient_bytes(self) -> int:
+        """The most `run` holds for the expanded form at once: per cached token its latent
+        and rope key, per token and head the up-projection, the key and the value."""
+        s = self.shape
+        tokens = _EXPANDED_TOKEN_HEADS // s.num_heads
+        per_token = (
+            s.latent_dim
+            + s.rope_dim
+            + s.num_heads * ((s.nope_dim + s.value_dim) + (s.nope_dim + s.rope_dim) + s.value_dim)
+        )
+        return tokens * per_token * self.dtype.itemsize
 
     def plan(self, batch: ForwardBatch) -> None:
         """Split the step's sequences between the forms and plan each (outside any graph)."""
@@ -287,7 +305,7 @@ class MultiHeadLatentAttention:
         for i, (q_len, seq_len) in enumerate(
             zip(batch.query_lens_cpu, batch.seq_lens_cpu, strict=True)
         ):
-            if q_len >= self.shape.expand_min_rows and seq_len <= budget:
+            if self.shape.expands(q_len, seq_len) and seq_len <= budget:
                 expand.append(i)
                 budget -= seq_len
         if not expand:
@@ -364,7 +382,8 @@ class MultiHeadLatentAttention:
 
 
 def _sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:
-    """The attention metadata of some of a step's sequences (their rows renumbered)."""
+    """The attention metadata of some of a step's sequences (their rows renumbered), for
+    planning only: its per-token tensors are still the whole step's."""
     q_lens = [batch.query_lens_cpu[i] for i in seqs]
     return dataclasses.replace(
         batch,
@@ -398,4 +417,4 @@ def make_latent_attention(
         expanded: RaggedAttention = FlashInferRaggedAttention(shape, dtype, absorbed.workspace)
     else:
         absorbed, expanded = TorchPagedLatentAttention(shape), TorchRaggedAttention(shape.scale)
-    return MultiHeadLatentAttention(shape, absorbed, expanded, device)
+    return MultiHeadLatentAttention(shape, absorbed, expanded, dtype, device)

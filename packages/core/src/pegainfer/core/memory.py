@@ -115,14 +115,16 @@ class KVSizing:
 
 
 def fit_kv_blocks(model: Model, sizing: KVSizing, device: torch.device) -> int:
-    """The KV blocks that fit beside the model, its recurrent state and its largest step."""
+    """The KV blocks that fit beside the model, its recurrent state, its largest step and the
+    transient memory it declares."""
     specs, states = model.kv_arenas(sizing.block_size), model.state_arenas()
     state_bytes = sizing.num_slots * sum(spec.bytes_per_slot for spec in states)
     peak = profile_step_peak(
         model, specs, states, sizing.block_size, sizing.max_num_batched_tokens,
         sizing.max_num_seqs, sizing.max_model_len, device,
     )  # fmt: skip
-    return plan_gpu_kv(specs, sizing.gpu_memory_utilization, peak + state_bytes, device).num_blocks
+    held = peak + state_bytes + model.transient_bytes
+    return plan_gpu_kv(specs, sizing.gpu_memory_utilization, held, device).num_blocks
 
 
 def plan_gpu_kv(

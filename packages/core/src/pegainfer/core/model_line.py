@@ -77,6 +77,13 @@ class Model(torch.nn.Module, ABC):
     supports_cuda_graphs: bool = False
 
     @property
+    def transient_bytes(self) -> int:
+        """Memory a step may hold beyond what the engine's profiling step shows (e.g. MLA's
+        expanded keys and values for a long prefix, which that step never builds); the KV
+        cache leaves it free."""
+        return 0
+
+    @property
     @abstractmethod
     def vocab_size(self) -> int: ...
 

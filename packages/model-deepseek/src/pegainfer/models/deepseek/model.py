@@ -219,6 +219,10 @@ class DeepseekV2ForCausalLM(Model):
         return self.full_cfg.vocab_size
 
     @property
+    def transient_bytes(self) -> int:
+        return 0 if self.attn is None else self.attn.transient_bytes
+
+    @property
     def max_position_embeddings(self) -> int:
         return self.cfg.max_position_embeddings
 
