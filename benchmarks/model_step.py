@@ -300,6 +300,10 @@ def main() -> None:
         help="engine with --async-scheduling: a step's host work overlaps the previous step",
     )  # fmt: skip
     parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="ranks on GPUs 0..N-1; weight and KV bytes (the HBM limit) are one rank's",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-offload-gib", type=float, default=0.0,
         help="an engine with a host tier this large and no device prefix cache: the "
         "--prefix-hit lengths are then restores from host memory",
@@ -340,7 +344,7 @@ def main() -> None:
             # As served (the timed prompts are all distinct), unless only the host tier is.
             enable_prefix_caching=not args.kv_offload_gib,
             kv_offload=bool(args.kv_offload_gib), kv_offload_gib=args.kv_offload_gib or 16.0,
-            async_scheduling=args.async_scheduling,
+            async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         ))  # fmt: skip
         load_s = time.perf_counter() - started
 
@@ -353,8 +357,9 @@ def main() -> None:
     # Recurrent state: read and written in full by every decode step.
     state_bytes_per_seq = 2 * sum(spec.bytes_per_slot for spec in model.state_arenas())
     # The embedding is gathered (a few rows), not streamed; the LM head is. Tied: one matrix.
-    vocab = model.vocab_size
-    embed_bytes = 0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size * 2
+    # This rank's rows of the table (and of the LM head) under tensor parallelism.
+    table_bytes = model.embed_tokens.numel() * model.embed_tokens.element_size()
+    embed_bytes = 0 if cfg.tie_word_embeddings else table_bytes
     streamed = weight_bytes - embed_bytes
     # MoE: a step reads only the routed experts its tokens chose. Random weights route about
     # uniformly: of E experts with k per token, a batch of B touches E(1 - (1 - k/E)^B).
@@ -383,12 +388,12 @@ def main() -> None:
             decode[-1]["step_with_prefill_ms"] = mixed * 1e3
         print(decode[-1], flush=True)
     # Active weights per token (the LM head runs for one row; k of E routed experts).
-    matmul_params = streamed - vocab * cfg.hidden_size * 2
+    matmul_params = streamed - table_bytes
     matmul_params -= routed_bytes * (1 - top_k / experts) if experts else 0
-    # Attention width per head: MLA runs absorbed (scores over latent + rope key, output in
-    # the latent), GQA over head_dim.
+    # Attention width per head: MLA prompts from position 0 run expanded (scores over nope +
+    # rope dims, values of v_head_dim), GQA over head_dim.
     head_width = getattr(cfg, "head_dim", None) or (
-        cfg.kv_lora_rank + (cfg.kv_lora_rank + cfg.qk_rope_head_dim)) / 2  # fmt: skip
+        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2  # fmt: skip
     prefill = []
     for tokens in prefills:
         t = prefill_time(engine, tokens)
@@ -424,6 +429,7 @@ def main() -> None:
         "weight_bytes": weight_bytes, "state_bytes_per_seq_step": state_bytes_per_seq,
         "engine_load_s": load_s,
         "num_kv_blocks": engine.config.num_kv_blocks, "async_scheduling": args.async_scheduling,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "constrained_fractions": args.constrained,
         "decode": decode, "prefill": prefill,
         "prefix_hit": prefix_hit,
