@@ -3,6 +3,8 @@ a worker that dies fails the engine with a clear error instead of hanging it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -68,6 +70,52 @@ def test_the_server_serves_with_two_ranks(tmp_path):
     ):
         time.sleep(0.2)
     assert not alive, f"processes outlived the server: {alive}"
+
+
+def test_a_rank_dying_mid_request_ends_it_with_an_error_and_the_server_reports_unhealthy(
+    tmp_path,
+):
+    """The stream in flight ends with an `engine_error` event (it never hangs), /health turns
+    503, and a new request is refused."""
+    import json
+
+    import httpx
+
+    from pegainfer.models.qwen3.line import Qwen3Line
+    from tests.server.conftest import start_server, stop_server
+
+    model = tmp_path / "tiny"
+    Qwen3Line().write_tiny_checkpoint(model)
+    server = start_server(model, tmp_path / "log", "--device", "cpu", "--max-model-len", "4096",
+                          "--tensor-parallel-size", "2")  # fmt: skip
+    try:
+        body = {"model": server.model, "prompt": "Hello", "max_tokens": 2000, "stream": True,
+                "ignore_eos": True, "temperature": 0}  # fmt: skip
+        events = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 3:  # mid-request: kill the rank-1 worker
+                    os.kill(_rank_worker(server.process.pid), signal.SIGKILL)
+        assert "error" in events[-1] and events[-1]["error"]["code"] == "engine_error"
+        assert len(events) < 2000
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503
+        body = {"model": server.model, "prompt": "Hi", "max_tokens": 2}
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert again.status_code >= 500
+    finally:
+        stop_server(server)
+
+
+def _rank_worker(pid: int) -> int:
+    """The tensor-parallel worker below `pid` (spawn's entry point; not its resource tracker)."""
+    for child in _descendants(pid):
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return child
+    raise AssertionError("no worker process found")
 
 
 def _descendants(pid: int) -> list[int]:
