@@ -44,6 +44,14 @@ def tables(lengths: list[int], g: torch.Generator) -> list[list[int]]:
     return out
 
 
+def step(starts: list[int], chunks: list[int], g: torch.Generator) -> tuple[ForwardBatch, int]:
+    """A batch feeding `chunks[i]` tokens from `starts[i]`, and its token count."""
+    lengths = [s + n for s, n in zip(starts, chunks, strict=True)]
+    batch = ForwardBatch.build([[0] * n for n in chunks], starts, tables(lengths, g),
+                               [True] * len(chunks), BLOCK, torch.device("cuda"))  # fmt: skip
+    return batch, sum(chunks)
+
+
 @pytest.mark.parametrize("heads", [16, 64])
 @pytest.mark.parametrize(("starts", "chunks"), [
     ([0], [300]),  # one prompt
@@ -52,10 +60,7 @@ def tables(lengths: list[int], g: torch.Generator) -> list[list[int]]:
 ])  # fmt: skip
 def test_flashinfer_latent_attention_equals_the_reference(heads, starts, chunks):
     g, ckv, kpe = caches(heads + len(chunks))
-    lengths = [s + n for s, n in zip(starts, chunks, strict=True)]
-    batch = ForwardBatch.build([[0] * n for n in chunks], starts, tables(lengths, g),
-                               [True] * len(chunks), BLOCK, torch.device("cuda"))  # fmt: skip
-    tokens = sum(chunks)
+    batch, tokens = step(starts, chunks, g)
     q_latent = torch.randn(tokens, heads, RANK, device="cuda", generator=g).bfloat16() * 0.05
     q_pe = torch.randn(tokens, heads, ROPE, device="cuda", generator=g).bfloat16() * 0.05
     shape = LatentShape(heads, RANK, ROPE, NOPE, V, scale=192**-0.5)
@@ -106,10 +111,7 @@ def test_graph_plan_equals_the_eager_plan_for_a_padded_decode_batch():
 ])  # fmt: skip
 def test_both_forms_on_flashinfer_equal_the_references(heads, starts, chunks):
     g, ckv, kpe = caches(heads + len(chunks))
-    lengths = [s + n for s, n in zip(starts, chunks, strict=True)]
-    batch = ForwardBatch.build([[0] * n for n in chunks], starts, tables(lengths, g),
-                               [True] * len(chunks), BLOCK, torch.device("cuda"))  # fmt: skip
-    tokens = sum(chunks)
+    batch, tokens = step(starts, chunks, g)
     q_nope = torch.randn(tokens, heads, NOPE, device="cuda", generator=g).bfloat16()
     q_pe = torch.randn(tokens, heads, ROPE, device="cuda", generator=g).bfloat16()
     kv_b = (torch.randn(heads, NOPE + V, RANK, device="cuda", generator=g) * 0.05).bfloat16()
