@@ -44,6 +44,32 @@ def test_two_ranks_generate_what_one_does(checkpoint, tmp_path, line, async_sche
         engine.shutdown()
 
 
+def test_workers_outlast_an_idle_spell_longer_than_the_collective_timeout(checkpoint,
+                                                                        monkeypatch):  # fmt: skip
+    """Workers wait for rank 0's next message as long as the server is idle: only the
+    forward's collectives have a time limit (3 s here)."""
+    monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", "3")
+    engine = make_engine(checkpoint, tensor_parallel_size=2)
+    try:
+        first = generate(engine, prompts()[:1], greedy(3))
+        time.sleep(5)
+        assert generate(engine, prompts()[:1], greedy(3)) == first
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_that_fails_to_start_stops_its_workers(checkpoint):
+    """A failed start-up leaves no workers and no process group behind: the next engine in
+    the same process starts."""
+    with pytest.raises(ConfigError, match="max_model_len"):
+        make_engine(checkpoint, tensor_parallel_size=2, max_model_len=10**7)
+    engine = make_engine(checkpoint, tensor_parallel_size=2)
+    try:
+        assert generate(engine, prompts()[:1], greedy(2))
+    finally:
+        engine.shutdown()
+
+
 def test_the_server_serves_with_two_ranks(tmp_path):
     """`pegainfer-server --tensor-parallel-size 2` answers, and its workers end with it."""
     import openai

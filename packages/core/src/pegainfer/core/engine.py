@@ -6,6 +6,7 @@ stop strings belong to the frontend; the engine handles stops it can see in toke
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,24 @@ class EngineCore:
             spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device))
             self.ranks = TensorParallelRanks(args.tensor_parallel_size, spec)
             group = self.ranks.group
+        try:
+            self._set_up(args, line, model_dir, tokenizer_dir, model_config, device, dtype, group)
+        except BaseException:
+            self.shutdown()  # the workers and their process group end with the failed engine
+            raise
+
+    def _set_up(
+        self,
+        args: EngineArgs,
+        line: ModelLine,
+        model_dir: Path,
+        tokenizer_dir: Path,
+        model_config: dict[str, Any],
+        device: torch.device,
+        dtype: torch.dtype,
+        group: ParallelGroup,
+    ) -> None:
+        """Everything after the ranks start: the model, its cache and graphs, the scheduler."""
         self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device, group))
         self.model.eval()
 
@@ -308,8 +327,14 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine is unusable afterwards)."""
-        if self.ranks is not None:
-            self.ranks.shutdown()
+        if self.ranks is None:
+            return
+        # Graphs hold captured collectives: they go before the communicator does.
+        self.graphs = None
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.ranks.shutdown()
 
     def _default_num_blocks(
         self,

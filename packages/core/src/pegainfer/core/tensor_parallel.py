@@ -10,18 +10,28 @@ the same order on every rank: their warm-up steps all-reduce), then per step the
 (the arguments of `ForwardBatch.build`). Every rank runs the forward, replaying a graph exactly
 when rank 0 does (`DecodeGraphs.can_run` is a function of the plan); only rank 0 samples.
 
-Two process groups on GPUs: the forward's collectives over NCCL, rank 0's messages over gloo
-on the CPU (broadcasting a plan never waits for the GPU); on the CPU one gloo group does both.
-A worker that died is noticed before the next message and fails the engine with a clear error;
-collectives time out rather than hang (`TIMEOUT`). Under async scheduling, a step's decode rows
-take the ids the step before samples on rank 0: rank 0 broadcasts them once fed.
+Two process groups: the forward's collectives (NCCL on GPUs, gloo on the CPU) and rank 0's
+messages (gloo on the CPU, so a plan's broadcast waits for the workers to take it, never for a
+GPU; a worker waits for the next one however long the server stays idle). A worker that died
+fails the engine with a clear error at the next message; on GPUs a watcher thread also aborts
+the NCCL communicator the moment a worker dies, so rank 0's work in flight fails instead of
+waiting on collectives that will never complete. The forward's collectives time out rather
+than hang (`TIMEOUT`). A worker exits at once on any error, and the ranks leave their groups
+with graphs gone first and a time limit. Under async scheduling, a step's decode rows take the
+ids the step before samples on rank 0: rank 0 broadcasts them once fed.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
+import logging
+import multiprocessing.connection as mp_connection
 import os
+import signal
 import socket
+import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,8 +50,14 @@ from pegainfer.core.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.core.parallel import ParallelGroup
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
-TIMEOUT = timedelta(seconds=60)
+# The forward's collectives: long enough for a rank's first use of a kernel to compile it
+# while its peers wait (FlashInfer's JIT takes minutes); PEGAINFER_TP_TIMEOUT_S overrides it.
+TIMEOUT = timedelta(seconds=float(os.environ.get("PEGAINFER_TP_TIMEOUT_S", 600)))
+# Rank 0's messages: a worker waits for the next one as long as the server stays idle (a
+# peer that dies still fails the wait at once: its connection closes).
+CONTROL_TIMEOUT = timedelta(days=365)
 # NVLink multicast (NCCL's NVLS algorithms, torch's symmetric-memory multicast) can take a
 # host's GPUs down; off unless the user sets these themselves.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -97,17 +113,37 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def _init(rank: int, world: int, port: int, device: torch.device) -> tuple[ParallelGroup, Any]:
-    """Join the ranks: the forward's group (NCCL on GPUs) and the group rank 0's messages
-    travel over (gloo)."""
+    """Join the ranks: the forward's group (NCCL on GPUs, gloo on the CPU) and the gloo group
+    rank 0's messages travel over."""
     init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                 timeout=TIMEOUT)  # fmt: skip
-    if device.type != "cuda":
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # device_id: the communicator exists before any graph captures a collective.
+        dist.init_process_group("nccl", device_id=device, **init)
+    else:
         dist.init_process_group("gloo", **init)
-        return ParallelGroup(rank, world, dist.group.WORLD), dist.group.WORLD
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device, **init)
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return ParallelGroup(rank, world, dist.group.WORLD), control
+
+
+def _leave(seconds: float = 10.0) -> None:
+    """Destroy the process groups, giving up after `seconds`: NCCL's teardown waits for its
+    peers (and for graphs still holding its work), and the process ends anyway."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # e.g. a communicator aborted after a rank died
+            logger.warning("leaving the tensor-parallel process group: %s", exc)
+
+    teardown = threading.Thread(target=destroy, daemon=True)
+    teardown.start()
+    teardown.join(seconds)
+    if teardown.is_alive():
+        logger.warning("the tensor-parallel process group did not close in %.0f s", seconds)
 
 
 def _receive(control: Any) -> Any:
@@ -124,43 +160,53 @@ def _smallest(value: int, control: Any) -> int:
 
 
 def _worker(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
-    from pegainfer.core.plugins import model_lines
-
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     device = rank_device(spec.device, rank)
     group, control = _init(rank, world, port, device)
     try:
-        line = next(line for line in model_lines() if line.name == spec.line)
-        model = line.build_model(ModelContext(spec.model_dir, spec.config, spec.dtype, device,
-                                              group))  # fmt: skip
-        model.eval()
-        cache: KVCache | None = None
-        graphs: DecodeGraphs | None = None
-        with torch.inference_mode():
-            while (message := _receive(control)) is not None:
-                kind, detail = message
-                if kind == "step":
-                    plan, fed = detail
-                    batch = ForwardBatch.build(**plan, device=device)
-                    if fed:  # async scheduling: ids sampled by the step still in flight
-                        dist.broadcast(batch.input_ids, src=0)
-                    if graphs is not None and graphs.can_run(batch):
-                        graphs.run(batch)
-                    else:
-                        model.prepare(batch)
-                        model(batch, cache)
-                elif kind == "runtime":
-                    model.init_runtime(detail)
-                elif kind == "size_kv":
-                    _smallest(fit_kv_blocks(model, detail, device), control)
-                elif kind == "cache":
-                    cache = KVCache(model.kv_arenas(detail.block_size), detail.num_blocks,
-                                    device, model.state_arenas(), detail.num_slots)  # fmt: skip
-                elif kind == "graphs":
-                    graphs = DecodeGraphs(model, cache, detail.buckets, detail.dummy_block,
-                                          detail.block_size, device, detail.dummy_slot)  # fmt: skip
-                    graphs.capture()
-    finally:
-        dist.destroy_process_group()
+        _serve(spec, device, group, control)
+    except BaseException:
+        # Rank 0 died or a collective failed: exit at once, never waiting on peers that left.
+        traceback.print_exc()
+        os._exit(1)
+    gc.collect()  # the graphs (captured collectives) before the communicator
+    _leave()
+
+
+def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, control: Any) -> None:
+    """Follow rank 0's messages until it sends None."""
+    from pegainfer.core.plugins import model_lines
+
+    line = next(line for line in model_lines() if line.name == spec.line)
+    model = line.build_model(ModelContext(spec.model_dir, spec.config, spec.dtype, device,
+                                          group))  # fmt: skip
+    model.eval()
+    cache: KVCache | None = None
+    graphs: DecodeGraphs | None = None
+    with torch.inference_mode():
+        while (message := _receive(control)) is not None:
+            kind, detail = message
+            if kind == "step":
+                plan, fed = detail
+                batch = ForwardBatch.build(**plan, device=device)
+                if fed:  # async scheduling: ids sampled by the step still in flight
+                    dist.broadcast(batch.input_ids, src=0)
+                if graphs is not None and graphs.can_run(batch):
+                    graphs.run(batch)
+                else:
+                    model.prepare(batch)
+                    model(batch, cache)
+            elif kind == "runtime":
+                model.init_runtime(detail)
+            elif kind == "size_kv":
+                _smallest(fit_kv_blocks(model, detail, device), control)
+            elif kind == "cache":
+                cache = KVCache(model.kv_arenas(detail.block_size), detail.num_blocks,
+                                device, model.state_arenas(), detail.num_slots)  # fmt: skip
+            elif kind == "graphs":
+                graphs = DecodeGraphs(model, cache, detail.buckets, detail.dummy_block,
+                                      detail.block_size, device, detail.dummy_slot)  # fmt: skip
+                graphs.capture()
 
 
 class TensorParallelRanks:
@@ -178,9 +224,29 @@ class TensorParallelRanks:
                         for rank in range(1, world)]  # fmt: skip
         for worker in self.workers:
             worker.start()
-        self.group, self._control = _init(0, world, port, rank_device(spec.device, 0))
+        device = rank_device(spec.device, 0)
+        self.group, self._control = _init(0, world, port, device)
         self._open = True
+        self.failed: str | None = None
+        if device.type == "cuda":
+            threading.Thread(target=self._watch, daemon=True, name="pegainfer-tp-watch").start()
         atexit.register(self.shutdown)
+
+    def _watch(self) -> None:
+        """On GPUs, a rank that dies mid-step leaves its peers' NCCL kernels waiting (a
+        replayed graph's collectives are not even under NCCL's watchdog): abort the
+        communicator, so rank 0's pending work fails instead of hanging, and the next
+        message raises RankFailedError."""
+        sentinels = {worker.sentinel: rank for rank, worker in enumerate(self.workers, 1)}
+        ended = mp_connection.wait(list(sentinels))
+        if not self._open:
+            return
+        rank = sentinels[ended[0]]
+        self.failed = f"tensor-parallel rank {rank} exited mid-run"
+        logger.error("%s; aborting the NCCL communicator", self.failed)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         self._send("runtime", runtime)
@@ -212,6 +278,8 @@ class TensorParallelRanks:
         )
 
     def _collective(self, call: Callable[[], T]) -> T:
+        if self.failed is not None:
+            raise RankFailedError(f"{self.failed}; the engine cannot continue")
         for rank, worker in enumerate(self.workers, start=1):
             if not worker.is_alive():
                 raise RankFailedError(
@@ -224,16 +292,18 @@ class TensorParallelRanks:
             raise RankFailedError(f"a tensor-parallel rank stopped answering: {exc}") from exc
 
     def shutdown(self) -> None:
-        """Stop the workers (an empty plan ends their loop) and leave the process group."""
+        """Stop the workers (None ends their loop), leave the process groups with them, and
+        kill any worker that has not ended 10 s later."""
         if not self._open:
             return
         self._open = False
         try:
-            if all(worker.is_alive() for worker in self.workers):
+            if self.failed is None and all(worker.is_alive() for worker in self.workers):
                 dist.broadcast_object_list([None], src=0, group=self._control)
-        finally:
-            for worker in self.workers:
-                worker.join(timeout=10)
-                if worker.is_alive():
-                    worker.kill()
-            dist.destroy_process_group()
+        except RuntimeError:
+            logger.warning("a tensor-parallel rank did not take the stop message")
+        _leave()
+        for worker in self.workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
