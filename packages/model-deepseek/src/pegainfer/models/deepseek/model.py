@@ -51,13 +51,13 @@ class LatentAttention(nn.Module):
         self.cfg = cfg
         self.group = group
         heads, h = cfg.num_heads, cfg.hidden_size
-        if cfg.q_lora_rank is None:
-            self.q_proj = empty_param(heads * cfg.qk_head_dim, h)
-        else:
-            self.q_a_proj = empty_param(cfg.q_lora_rank, h)
+        # The two projections of the layer input, one GEMM: q_proj's rows (q_a_proj's with
+        # a q LoRA), then kv_a_proj_with_mqa's.
+        self.q_rows = heads * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
+        self.q_kv_a_proj = empty_param(self.q_rows + cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
+        if cfg.q_lora_rank is not None:
             self.q_a_layernorm = empty_param(cfg.q_lora_rank)
             self.q_b_proj = empty_param(heads * cfg.qk_head_dim, cfg.q_lora_rank)
-        self.kv_a_proj_with_mqa = empty_param(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
         self.kv_a_layernorm = empty_param(cfg.kv_lora_rank)
         self.kv_b_proj = empty_param(
             heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
@@ -74,18 +74,16 @@ class LatentAttention(nn.Module):
         attn: MultiHeadLatentAttention,
     ) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
-        if cfg.q_lora_rank is None:
-            q = F.linear(x, self.q_proj)
-        else:
-            q_a = rms_norm.rms_norm(
-                F.linear(x, self.q_a_proj), self.q_a_layernorm, _LATENT_NORM_EPS
-            )
+        q, kv_a = F.linear(x, self.q_kv_a_proj).split(
+            [self.q_rows, self.q_kv_a_proj.shape[0] - self.q_rows], dim=-1
+        )
+        if cfg.q_lora_rank is not None:
+            q_a = rms_norm.rms_norm(q, self.q_a_layernorm, _LATENT_NORM_EPS)
             q = F.linear(q_a, self.q_b_proj)
         latent_input = _kernels().latent_input if x.is_cuda else ops.latent_input
         q_pe = latent_input(
-            q, F.linear(x, self.kv_a_proj_with_mqa), self.kv_a_layernorm, rope.cos, rope.sin,
-            batch.positions, batch.slot_mapping, ckv, kpe, cfg.num_heads, cfg.qk_nope_head_dim,
-            _LATENT_NORM_EPS,
+            q, kv_a, self.kv_a_layernorm, rope.cos, rope.sin, batch.positions,
+            batch.slot_mapping, ckv, kpe, cfg.num_heads, cfg.qk_nope_head_dim, _LATENT_NORM_EPS,
         )  # fmt: skip
         q_nope = q.view(tokens, cfg.num_heads, -1)[..., : cfg.qk_nope_head_dim]
         kv_b = self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
@@ -290,7 +288,15 @@ class DeepseekV2ForCausalLM(Model):
             inter, split = cfg.intermediate_size, mine(cfg.intermediate_size)
         else:
             heads = cfg.num_heads
-            rows = {"q_proj": heads * cfg.qk_head_dim, "q_b_proj": heads * cfg.qk_head_dim,
+            fused = f"{module}.q_kv_a_proj"
+            q_rows = self.layers[0].self_attn.q_rows
+            if leaf == "q_proj":  # this rank's heads
+                return WeightTarget(fused, 0, q_rows, rows=mine(heads * cfg.qk_head_dim))
+            if leaf == "q_a_proj":
+                return WeightTarget(fused, 0, q_rows)
+            if leaf == "kv_a_proj_with_mqa":
+                return WeightTarget(fused, q_rows, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            rows = {"q_b_proj": heads * cfg.qk_head_dim,
                     "kv_b_proj": heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)}  # fmt: skip
             if leaf in rows:
                 return WeightTarget(path, rows=mine(rows[leaf]))
