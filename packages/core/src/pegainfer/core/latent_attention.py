@@ -318,7 +318,7 @@ class MultiHeadLatentAttention:
             self.absorbed.plan(absorbed)
         self.expanded.plan([batch.query_lens_cpu[i] for i in expand],
                            [batch.seq_lens_cpu[i] for i in expand])  # fmt: skip
-        slots = torch.cat([_token_slots(batch, i) for i in expand])
+        slots = _token_slots(batch, expand)
         self._split = _Split(
             absorbed,
             self._rows(batch, keep) if keep else None,
@@ -372,8 +372,8 @@ class MultiHeadLatentAttention:
         return self.expanded.run(q, k, kv[..., s.nope_dim :].contiguous())
 
     def _rows(self, batch: ForwardBatch, seqs: list[int]) -> torch.Tensor:
-        starts = batch.query_start_loc_cpu.tolist()
-        return self._to_device(torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]))
+        starts = batch.query_start_loc_cpu.long()
+        return self._to_device(_ranges(starts[seqs], starts[1:][seqs] - starts[seqs]))
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -394,12 +394,24 @@ def _sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:
     )
 
 
-def _token_slots(batch: ForwardBatch, seq: int) -> torch.Tensor:
-    """The cache slot of each of sequence `seq`'s tokens, positions 0.. seq_len - 1."""
-    bs, seq_len = batch.block_size, batch.seq_lens_cpu[seq]
-    positions = torch.arange(seq_len)
-    table = torch.tensor(batch.block_tables_cpu[seq][: -(-seq_len // bs)])
-    return table[positions // bs] * bs + positions % bs
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The concatenation of arange(start, start + length) for each pair (one pass, however
+    many sequences a step has)."""
+    offsets = lengths.cumsum(0) - lengths
+    return torch.arange(int(lengths.sum())) + torch.repeat_interleave(starts - offsets, lengths)
+
+
+def _token_slots(batch: ForwardBatch, seqs: list[int]) -> torch.Tensor:
+    """The cache slot of every token of sequences `seqs` (positions 0.. seq_len - 1 each),
+    sequence after sequence."""
+    bs = batch.block_size
+    lengths = torch.tensor([batch.seq_lens_cpu[i] for i in seqs])
+    pages = (lengths + bs - 1) // bs
+    tables = torch.tensor([block for i, n in zip(seqs, pages.tolist(), strict=True)
+                           for block in batch.block_tables_cpu[i][:n]])  # fmt: skip
+    positions = _ranges(torch.zeros_like(lengths), lengths)
+    first_page = torch.repeat_interleave(pages.cumsum(0) - pages, lengths)
+    return tables[first_page + positions // bs] * bs + positions % bs
 
 
 def make_latent_attention(
