@@ -4,7 +4,7 @@
 
 Random routing and weights at the shape of `--experts/--top-k/--hidden/--inter` (default:
 DeepSeek-V2-Lite); `triton.testing.do_bench` (L2 flushed between calls). Prints the best
-configurations per token count beside the one `fused_moe` uses; the JSON has every row.
+configuration per token count and row-block height; the JSON has every row.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def test_a_step_over_the_expansion_budget_attends_the_rest_absorbed(monkeypatch,
     attn.plan(batch)
     ours = attn.run(q_nope, q_pe, ckv, kpe, w)
     split = attn._split
-    assert (split.expanded_slots is not None, split.absorbed is not None) == (
+    assert (split.expanded_slots is not None, split.absorbed_batch is not None) == (
         (True, True) if len(lengths) == 2 else (False, True)
     )
     assert_equals_the_expanded_form(ours, starts, lengths, tables, ckv, kpe, q_nope, q_pe, w)

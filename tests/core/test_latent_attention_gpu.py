@@ -107,7 +107,8 @@ def test_graph_plan_equals_the_eager_plan_for_a_padded_decode_batch():
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize(("starts", "chunks"), [
     ([0], [1000]),  # one prompt: all expanded
-    ([130, 0, 511, 64, 7], [300, 16, 1, 200, 171]),  # chunks expanded by cost, a decode absorbed
+    ([130, 0, 511, 1500, 7], [300, 16, 1, 100, 171]),  # expanded, and a decode and a short chunk
+    # over a long prefix absorbed
 ])  # fmt: skip
 def test_both_forms_on_flashinfer_equal_the_references(heads, starts, chunks):
     g, ckv, kpe = caches(heads + len(chunks))
@@ -120,7 +121,7 @@ def test_both_forms_on_flashinfer_equal_the_references(heads, starts, chunks):
     assert isinstance(fast.absorbed, FlashInferPagedLatentAttention)
     assert isinstance(fast.expanded, FlashInferRaggedAttention)
     references = TorchPagedLatentAttention(shape), TorchRaggedAttention(shape.scale)
-    ref = MultiHeadLatentAttention(shape, *references, torch.device("cuda"))
+    ref = MultiHeadLatentAttention(shape, *references, torch.bfloat16, torch.device("cuda"))
     for attn in (fast, ref):
         attn.plan(batch)
     assert fast._split.expanded_slots is not None

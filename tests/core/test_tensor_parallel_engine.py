@@ -27,14 +27,17 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40)]
 
 
-@pytest.mark.parametrize(("line", "async_scheduling"),
-                         [("qwen3", False), ("qwen3", True), ("deepseek", False)])  # fmt: skip
+@pytest.mark.parametrize(("line", "async_scheduling"), [
+    ("qwen3", False), ("qwen3", True), ("deepseek", False), ("deepseek-q-lora", False),
+])  # fmt: skip
 def test_two_ranks_generate_what_one_does(checkpoint, tmp_path, line, async_scheduling):
-    """Greedy answers with chunked prefill; DeepSeek's experts split over the ranks too; under
-    async scheduling the decode rows' ids reach the other rank from rank 0."""
+    """Greedy answers with chunked prefill; DeepSeek's experts split over the ranks too (with
+    and without a q LoRA: the fused q/kv_a projection keeps a rank's q rows or all q_a rows);
+    under async scheduling the decode rows' ids reach the other rank from rank 0."""
     from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
 
-    path = checkpoint if line == "qwen3" else write_deepseek(tmp_path / "deepseek")
+    lora = {"q_lora_rank": 24} if line == "deepseek-q-lora" else {}
+    path = checkpoint if line == "qwen3" else write_deepseek(tmp_path / "deepseek", **lora)
     expected = generate(make_engine(path), prompts(), greedy(12))
     engine = make_engine(path, tensor_parallel_size=2, max_num_batched_tokens=24,
                          async_scheduling=async_scheduling)  # fmt: skip
@@ -181,11 +184,11 @@ def test_what_tensor_parallelism_does_not_cover_yet_is_refused(checkpoint):
 
 
 @pytest.mark.parametrize(("device", "visible", "error"), [
-    ("cuda", 1, "needs 2 GPUs; 1 are visible"),
+    ("cuda", 1, "needs 2 GPUs; visible: 1"),
     ("cuda:1", 4, "CUDA_VISIBLE_DEVICES"),
     ("mps", 0, "CUDA or the CPU"),
 ])  # fmt: skip
-def test_tensor_parallel_gpus_are_checked_before_any_worker_starts(monkeypatch, device, visible,
+def test_the_gpus_for_tensor_parallelism_are_checked(monkeypatch, device, visible,
                                                                    error):  # fmt: skip
     from pegainfer.core.args import EngineArgs
     from pegainfer.core.engine import EngineCore
@@ -205,3 +208,12 @@ def test_nvlink_multicast_stays_off_unless_the_user_says_otherwise(monkeypatch):
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0",
     }
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5"])
+def test_a_bad_collective_time_limit_is_refused(monkeypatch, value):
+    from pegainfer.core.tensor_parallel import collective_timeout
+
+    monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", value)
+    with pytest.raises(ConfigError, match="PEGAINFER_TP_TIMEOUT_S"):
+        collective_timeout()

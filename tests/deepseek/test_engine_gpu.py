@@ -1,5 +1,6 @@
-"""DeepSeek-V2 on CUDA (bf16: FlashInfer's MLA in the absorbed form, the Triton MoE, decode
-CUDA graphs) against transformers in bf16, at the golden gate's tolerances.
+"""DeepSeek-V2 on CUDA (bf16: MLA absorbed through FlashInfer's MLA kernels and expanded through
+its ragged prefill, the Triton kernels, decode CUDA graphs) against transformers in bf16, at the
+golden gate's tolerances.
 
 V2-Lite's attention geometry (latent 512, rope key 64, nope 128, value 128, its YaRN) and its
 MoE structure (a dense first layer, top-k routed experts plus a shared one) at a small width."""
@@ -91,7 +92,8 @@ def test_graph_replay_equals_eager_for_the_same_batch(small):
 
 def test_small_golden_gate(small):
     """Nine cases batched in the 16-graph, five in the 8-graph, after a prefix hit and eagerly,
-    plus a 1,500-token prompt (chunked prefill in the absorbed form)."""
+    plus a 1,500-token prompt (one prefill from position 0: the expanded form). Absorbed rows:
+    every decode, and the prefix-hit pass's chunks over their cached prefixes."""
     path, engine = small
     cases = make_cases(9, vocab=VOCAB, max_prompt=200, decode=8, seed=0)
     g = torch.Generator().manual_seed(5)

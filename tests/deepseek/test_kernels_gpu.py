@@ -77,7 +77,7 @@ def test_dispatch_groups_each_experts_pairs_in_whole_blocks():
 
 
 @pytest.mark.parametrize("tokens", [1, 300])
-def test_fused_moe_adds_the_shared_output_as_the_reference_does(tokens):
+def test_fused_moe_adds_the_shared_output_as_a_separate_bf16_add_would(tokens):
     from pegainfer.models.deepseek.moe_kernels import fused_moe
 
     x, weights, experts, gate_up, down = routed(tokens, LITE, torch.bfloat16, seed=7)
@@ -129,12 +129,23 @@ def test_routing_picks_the_references_experts_and_weights(dtype, tokens, experts
     ("tokens", "heads", "nope", "rope", "latent"),
     [(1, 16, 128, 64, 512), (77, 16, 128, 64, 512), (5, 4, 16, 8, 32)],
 )
-def test_latent_input_equals_the_reference(dtype, tokens, heads, nope, rope, latent):
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-projection"])
+def test_latent_input_equals_the_reference(dtype, tokens, heads, nope, rope, latent, fused):
+    """`fused`: q and kv_a are column slices of one projection's output (strided rows), as
+    the model passes them."""
     from pegainfer.models.deepseek.latent_kernels import latent_input
 
     g = torch.Generator("cuda").manual_seed(tokens)
-    q = torch.randn(tokens, heads * (nope + rope), device="cuda", generator=g).to(dtype)
-    kv_a = torch.randn(tokens, latent + rope, device="cuda", generator=g).to(dtype)
+    widths = [heads * (nope + rope), latent + rope]
+    if fused:
+        q, kv_a = (
+            torch.randn(tokens, sum(widths), device="cuda", generator=g)
+            .to(dtype)
+            .split(widths, dim=-1)
+        )
+    else:
+        q = torch.randn(tokens, widths[0], device="cuda", generator=g).to(dtype)
+        kv_a = torch.randn(tokens, widths[1], device="cuda", generator=g).to(dtype)
     norm = (1 + 0.1 * torch.randn(latent, device="cuda", generator=g)).to(dtype)
     yarn = Rope(rope, 10000.0, 40.0, 4096, mscale=0.707, mscale_all_dim=0.707)
     tables = ops.InterleavedRope(yarn, 8192, torch.device("cuda"))

@@ -318,7 +318,7 @@ class EngineCore:
             if torch.cuda.device_count() < world:
                 raise ConfigError(
                     f"--tensor-parallel-size {world} needs {world} GPUs; "
-                    f"{torch.cuda.device_count()} are visible"
+                    f"visible: {torch.cuda.device_count()}"
                 )
         elif device.type != "cpu":
             raise ConfigError(f"tensor parallelism runs on CUDA or the CPU, not {device.type}")

@@ -121,7 +121,7 @@ class TorchPagedLatentAttention(PagedLatentAttention):
 
 
 class FlashInferPagedLatentAttention(PagedLatentAttention):
-    """FlashInfer's batched MLA: one plan covers a mixed step (prefill chunks are causal
+    """FlashInfer's batched MLA: one plan covers the step's absorbed sequences (chunks are causal
     queries of several rows, decodes of one); each graph bucket has its own wrapper over
     slices of one set of fixed index buffers (graphs replay one at a time). The FA2 backend,
     FlashInfer's general one (FA3's Hopper kernels are the next thing to measure)."""
@@ -214,6 +214,8 @@ class RaggedAttention(ABC):
 
 
 class TorchRaggedAttention(RaggedAttention):
+    """The reference: per-sequence attention in float32 (`ops.latent_attention`)."""
+
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
@@ -257,10 +259,10 @@ def _indptr(lengths: list[int]) -> torch.Tensor:
 
 @dataclass
 class _Split:
-    """A step's sequences by form: the absorbed ones as a batch of their own (None: none) and
-    the rows of each form (None: every row of the step is of that form)."""
+    """A step's sequences by form: the absorbed ones as a batch of their own (None: none), and
+    in a step of both forms the rows of each (None otherwise)."""
 
-    absorbed: ForwardBatch | None
+    absorbed_batch: ForwardBatch | None
     absorbed_rows: torch.Tensor | None
     expanded_rows: torch.Tensor | None
     #: The cache slots of every token of the expanded sequences, sequence after sequence.
@@ -312,7 +314,8 @@ class MultiHeadLatentAttention:
             self._split = _Split(batch, None, None, None)
             self.absorbed.plan(batch)
             return
-        keep = [i for i in range(batch.num_seqs) if i not in set(expand)]
+        expanding = set(expand)
+        keep = [i for i in range(batch.num_seqs) if i not in expanding]
         absorbed = _sub_batch(batch, keep) if keep else None
         if absorbed is not None:
             self.absorbed.plan(absorbed)
@@ -345,7 +348,7 @@ class MultiHeadLatentAttention:
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
         if split.expanded_slots is None:
             return self._absorbed(q_nope, q_pe, ckv_layer, kpe_layer, w_uk, w_uv)
-        if split.absorbed is None:
+        if split.absorbed_batch is None:
             return self._expanded(q_nope, q_pe, ckv_layer, kpe_layer, kv_b)
         tokens, heads = q_nope.shape[:2]
         out = q_nope.new_empty(tokens, heads, self.shape.value_dim)

@@ -1,8 +1,9 @@
 """Sizing the KV cache on a GPU from what a step actually uses.
 
 After the weights are loaded, one worst-case step (a full-budget prefill, and sampling at the
-full batch width) runs on a scratch cache; its peak, the weights and a reserve for CUDA graphs
-come off the memory `gpu_memory_utilization` allows, and the rest becomes KV blocks.
+full batch width) runs on a scratch cache; its peak, the recurrent state, the transient memory
+the model declares (`Model.transient_bytes`), the weights and a reserve for CUDA graphs come
+off the memory `gpu_memory_utilization` allows, and the rest becomes KV blocks.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class MemoryPlan:
     def describe(self) -> str:
         return (
             f"GPU memory: {self.total / GIB:.1f} GiB total; weights {self.weights / GIB:.2f} GiB, "
-            f"step peak {self.activations / GIB:.2f} GiB, graphs and slack "
+            f"step peak, state and transients {self.activations / GIB:.2f} GiB, graphs and slack "
             f"{self.reserve / GIB:.2f} GiB, KV cache {self.kv_cache / GIB:.2f} GiB "
             f"({self.num_blocks} blocks)"
         )

@@ -79,8 +79,8 @@ class Model(torch.nn.Module, ABC):
     @property
     def transient_bytes(self) -> int:
         """Memory a step may hold beyond what the engine's profiling step shows (e.g. MLA's
-        expanded keys and values for a long prefix, which that step never builds); the KV
-        cache leaves it free."""
+        expanded keys and values for a long sequence: the profiling step's are only as long
+        as its prompts); the KV cache leaves it free."""
         return 0
 
     @property

@@ -15,9 +15,10 @@ messages (gloo on the CPU, so a plan's broadcast waits for the workers to take i
 GPU; a worker waits for the next one however long the server stays idle). A worker that died
 fails the engine with a clear error at the next message; on GPUs a watcher thread also aborts
 the NCCL communicator the moment a worker dies, so rank 0's work in flight fails instead of
-waiting on collectives that will never complete. The forward's collectives time out rather
-than hang (`TIMEOUT`). A worker exits at once on any error, and the ranks leave their groups
-with graphs gone first and a time limit. Under async scheduling, a step's decode rows take the
+waiting on collectives that will never complete (a replayed graph's collectives are outside
+NCCL's watchdog and its time limit, `collective_timeout()`; eager ones time out). A worker
+exits at once on any error, and the ranks leave their groups with graphs gone first and a time
+limit. Under async scheduling, a step's decode rows take the
 ids the step before samples on rank 0: rank 0 broadcasts them once fed.
 """
 
@@ -43,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pegainfer.core.cuda_graphs import DecodeGraphs
-from pegainfer.core.errors import PegainferError
+from pegainfer.core.errors import ConfigError, PegainferError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import KVCache
 from pegainfer.core.memory import KVSizing, fit_kv_blocks
@@ -52,9 +53,9 @@ from pegainfer.core.parallel import ParallelGroup
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# The forward's collectives: long enough for a rank's first use of a kernel to compile it
-# while its peers wait (FlashInfer's JIT takes minutes); PEGAINFER_TP_TIMEOUT_S overrides it.
-TIMEOUT = timedelta(seconds=float(os.environ.get("PEGAINFER_TP_TIMEOUT_S", 600)))
+# The forward's collectives, by default: long enough for a rank's first use of a kernel to
+# compile it while its peers wait (FlashInfer's JIT takes minutes).
+TIMEOUT = timedelta(seconds=600)
 # Rank 0's messages: a worker waits for the next one as long as the server stays idle (a
 # peer that dies still fails the wait at once: its connection closes).
 CONTROL_TIMEOUT = timedelta(days=365)
@@ -112,11 +113,25 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if engine.type == "cuda" else engine
 
 
+def collective_timeout() -> timedelta:
+    """The forward's collectives' time limit: `TIMEOUT`, or PEGAINFER_TP_TIMEOUT_S seconds."""
+    text = os.environ.get("PEGAINFER_TP_TIMEOUT_S")
+    if text is None:
+        return TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ConfigError(f"PEGAINFER_TP_TIMEOUT_S must be a positive number, not {text!r}")
+    return timedelta(seconds=seconds)
+
+
 def _init(rank: int, world: int, port: int, device: torch.device) -> tuple[ParallelGroup, Any]:
     """Join the ranks: the forward's group (NCCL on GPUs, gloo on the CPU) and the gloo group
     rank 0's messages travel over."""
     init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                timeout=TIMEOUT)  # fmt: skip
+                timeout=collective_timeout())  # fmt: skip
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # device_id: the communicator exists before any graph captures a collective.
@@ -207,6 +222,8 @@ def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, control
                 graphs = DecodeGraphs(model, cache, detail.buckets, detail.dummy_block,
                                       detail.block_size, device, detail.dummy_slot)  # fmt: skip
                 graphs.capture()
+            else:
+                raise ValueError(f"rank 0 sent an unknown message {kind!r}")
 
 
 class TensorParallelRanks:
@@ -214,6 +231,7 @@ class TensorParallelRanks:
     steps (each call here comes right before rank 0 does the same)."""
 
     def __init__(self, world: int, spec: WorkerSpec) -> None:
+        collective_timeout()  # a bad PEGAINFER_TP_TIMEOUT_S fails here, before any worker
         keep_multicast_off()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -225,7 +243,12 @@ class TensorParallelRanks:
         for worker in self.workers:
             worker.start()
         device = rank_device(spec.device, 0)
-        self.group, self._control = _init(0, world, port, device)
+        try:
+            self.group, self._control = _init(0, world, port, device)
+        except BaseException:  # the workers would wait for rank 0 until their time limit
+            for worker in self.workers:
+                worker.kill()
+            raise
         self._open = True
         self.failed: str | None = None
         if device.type == "cuda":
@@ -243,10 +266,12 @@ class TensorParallelRanks:
             return
         rank = sentinels[ended[0]]
         self.failed = f"tensor-parallel rank {rank} exited mid-run"
-        logger.error("%s; aborting the NCCL communicator", self.failed)
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            abort()
+        if abort is None:
+            logger.error("%s; this torch cannot abort NCCL: work in flight may hang", self.failed)
+            return
+        logger.error("%s; aborting the NCCL communicator", self.failed)
+        abort()
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         self._send("runtime", runtime)
@@ -254,8 +279,7 @@ class TensorParallelRanks:
     def size_kv(self, sizing: KVSizing, fit: Callable[[], int]) -> int:
         """Every rank fits its KV cache (rank 0 by `fit`); the smallest block count."""
         self._send("size_kv", sizing)
-        mine = fit()
-        return self._collective(lambda: _smallest(mine, self._control))
+        return self._collective(lambda: _smallest(fit(), self._control))
 
     def share(self, shape: CacheShape) -> None:
         self._send("cache", shape)

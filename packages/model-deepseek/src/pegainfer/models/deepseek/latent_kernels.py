@@ -1,5 +1,4 @@
-"""MLA's attention input in one kernel (CUDA; reference: `ops.InterleavedRope`,
-`rms_norm.rms_norm`, `ops.write_latent`).
+"""MLA's attention input in one kernel (CUDA; reference: `ops.latent_input`).
 
 Per token, after the q and kv_a projections: the query's rope part rotated (interleaved pairs,
 in float32) into a contiguous [tokens, heads, rope] tensor, the KV latent RMS-normalised with
@@ -33,7 +32,7 @@ def _latent_input_kernel(
     NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, HALF_ROPE: tl.constexpr,
     LATENT: tl.constexpr, LATENT_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # NUM_HEADS: the latent and the shared key
     pos = tl.load(positions + token)
     i = tl.arange(0, HALF_ROPE)
