@@ -124,7 +124,8 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
     """FlashInfer's batched MLA: one plan covers the step's absorbed sequences (chunks are causal
     queries of several rows, decodes of one); each graph bucket has its own wrapper over
     slices of one set of fixed index buffers (graphs replay one at a time). The FA2 backend,
-    FlashInfer's general one (FA3's Hopper kernels are the next thing to measure)."""
+    FlashInfer's general one, unless told otherwise (`benchmarks/mla_decode.py` times FA3's
+    Hopper kernels beside it)."""
 
     def __init__(
         self,
@@ -133,6 +134,7 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
         device: torch.device,
         max_pages_per_seq: int,
         graph_buckets: tuple[int, ...] = (),
+        backend: str = "fa2",
     ) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
@@ -142,7 +144,7 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
         self.dtype = dtype
         self.device = device
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._eager = BatchMLAPagedAttentionWrapper(self.workspace, backend="fa2")
+        self._eager = BatchMLAPagedAttentionWrapper(self.workspace, backend=backend)
         largest = max(graph_buckets, default=0)
         qo_indptr = torch.arange(largest + 1, dtype=torch.int32, device=device)
         kv_indptr = torch.zeros(largest + 1, dtype=torch.int32, device=device)
@@ -156,7 +158,7 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
                 kv_indptr=kv_indptr[: bucket + 1],
                 kv_indices=kv_indices[: bucket * max_pages_per_seq],
                 kv_len_arr=kv_lens[:bucket],
-                backend="fa2",
+                backend=backend,
             )
             for bucket in graph_buckets
         }
