@@ -61,6 +61,17 @@ def hf_model(path, dtype: torch.dtype):
     return transformers.DeepseekV2ForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
 
 
+def hf_references(path, cases: list[Case]) -> dict[torch.dtype, list[torch.Tensor]]:
+    """transformers' logprobs for each case, in bf16 and in float32 (one model at a time)."""
+    refs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        hf = hf_model(path, dtype)
+        refs[dtype] = [reference_logprobs(hf, c) for c in cases]
+        del hf
+        torch.cuda.empty_cache()
+    return refs
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """V2-Lite's geometry at a small width, with the gate's recipe for peaked distributions
@@ -99,11 +110,7 @@ def test_small_golden_gate(small):
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (1508,), generator=g).tolist()
     long = Case(tokens[:1500], tokens[1500:])
-    refs = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        hf = hf_model(path, dtype)
-        refs[dtype] = [reference_logprobs(hf, c) for c in [*cases, long]]
-        del hf
+    refs = hf_references(path, [*cases, long])
     forcer = TeacherForcer(engine)
     passes = small_gate_passes(forcer, cases)
     long_pass = {"prompt_1500": forcer.run([long])}
@@ -170,12 +177,7 @@ def test_golden_gate_at_deepseek_v2_lite_shapes(v2_lite):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, V2_LITE["vocab_size"], (4510,), generator=g).tolist()
     long = Case(tokens[:4500], tokens[4500:])
-    refs = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        hf = hf_model(path, dtype)
-        refs[dtype] = [reference_logprobs(hf, c) for c in [*cases, long]]
-        del hf
-        torch.cuda.empty_cache()
+    refs = hf_references(path, [*cases, long])
     engine = EngineCore(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
                                    max_model_len=8192, max_num_seqs=16,
                                    gpu_memory_utilization=0.6))  # fmt: skip

@@ -332,8 +332,6 @@ class EngineCore:
         # Graphs hold captured collectives: they go before the communicator does.
         self.graphs = None
         gc.collect()
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
         self.ranks.shutdown()
 
     def _default_num_blocks(
