@@ -164,9 +164,10 @@ def decode_step_time(
     profile_dir: Path | None,
     mixed_prompt: int = 0,
     constrained: float = 0.0,
-) -> tuple[float, float, float | None]:
-    """Median wall time of a full engine step, GPU time of the step's graph replay, and (with
-    `mixed_prompt`) median wall time of a step that also prefills a new prompt that long.
+) -> tuple[float, float | None, float | None]:
+    """Median wall time of a full engine step, GPU time of the step's graph replay (one GPU
+    only), and (with `mixed_prompt`) median wall time of a step that also prefills a new
+    prompt that long.
     A `constrained` fraction of the requests decode under a JSON-schema grammar."""
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
@@ -183,9 +184,13 @@ def decode_step_time(
         times.append(time.perf_counter() - start)
     decode_median = statistics.median(times)
     # The forward alone: replay the step's graph as last planned (GPU time, no host work).
-    graphs = engine.graphs
-    bucket = min(b for b in graphs.buckets if b >= batch)
-    replay = cuda_time(graphs._graphs[bucket].replay)
+    # Not under tensor parallelism: the graph's all-reduces wait for the other ranks, which
+    # replay only inside engine steps.
+    replay = None
+    if engine.ranks is None:
+        graphs = engine.graphs
+        bucket = min(b for b in graphs.buckets if b >= batch)
+        replay = cuda_time(graphs._graphs[bucket].replay)
     if profile_dir is not None:
         suffix = f"_constrained{constrained:g}" if constrained else ""
         profile_steps(engine, profile_dir / f"profile_b{batch}{suffix}.txt", engine.step)
@@ -381,8 +386,9 @@ def main() -> None:
         limit = (read_bytes(batch) + kv) / bandwidth
         decode.append({
             "batch": batch, "constrained_fraction": constrained, "step_ms": step * 1e3,
-            "forward_replay_ms": replay * 1e3, "hbm_limit_ms": limit * 1e3,
-            "fraction_of_limit": limit / step, "tokens_per_s": batch / step,
+            "forward_replay_ms": None if replay is None else replay * 1e3,
+            "hbm_limit_ms": limit * 1e3, "fraction_of_limit": limit / step,
+            "tokens_per_s": batch / step,
         })  # fmt: skip
         if mixed is not None:
             decode[-1]["step_with_prefill_ms"] = mixed * 1e3
