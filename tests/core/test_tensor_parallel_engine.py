@@ -73,6 +73,19 @@ def test_an_engine_that_fails_to_start_stops_its_workers(checkpoint):
         engine.shutdown()
 
 
+def test_the_engine_loop_stops_the_workers_when_it_ends(checkpoint):
+    """The loop shuts its engine down from its own thread (graphs, then the communicator, then
+    the workers), not at exit: NCCL's teardown at exit waits on the graphs still alive."""
+    from pegainfer.core.engine_loop import EngineLoop
+
+    engine = make_engine(checkpoint, tensor_parallel_size=2)
+    loop = EngineLoop(engine, lambda data: None)
+    loop.start()
+    loop.shutdown()
+    assert not loop._thread.is_alive()
+    assert not any(worker.is_alive() for worker in engine.ranks.workers)
+
+
 def test_the_server_serves_with_two_ranks(tmp_path):
     """`pegainfer-server --tensor-parallel-size 2` answers, and its workers end with it."""
     import openai

@@ -4,6 +4,9 @@ Inbound messages (`messages.Inbound`) and outbound `EngineOutputs` cross as msgp
 this thread-based loop and a process-based one are interchangeable for the frontend. The loop
 blocks when it has nothing to do; aborts and new requests take effect at the next step.
 A failure inside a step ends every request with an error instead of hanging its client.
+The loop owns the engine: when it ends, it shuts the engine down from the thread that ran its
+steps (under tensor parallelism the CUDA graphs go before the NCCL communicator, then the
+workers stop; left to exit time, NCCL's teardown waits on graphs still alive).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class EngineLoop:
     def send(self, message: Inbound) -> None:
         self._inbox.put(_encoder.encode(message))
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
+    def shutdown(self, timeout: float | None = 30.0) -> None:
         if self.alive:
             self.send(Shutdown())
             self._thread.join(timeout)
@@ -88,6 +91,8 @@ class EngineLoop:
             # The frontend fails every request it is waiting on, sent or still in the inbox.
             failure = EngineOutputs(outputs, engine_failed=f"engine failure: {exc}")
             self._sink(_encoder.encode(failure))
+        finally:
+            self.engine.shutdown()
 
     def _receive(self, block: bool) -> list[Inbound]:
         """Everything waiting in the inbox; waits for the first message when `block`."""
