@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.tensor_parallel import RankFailedError
+from pegainfer.core.tensor_parallel import RankFailedError, TensorParallelRanks, WorkerSpec
 from tests.engine_harness import drain, generate, greedy, make_engine, submit
 from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
 
@@ -71,6 +71,24 @@ def test_an_engine_that_fails_to_start_stops_its_workers(checkpoint):
         assert generate(engine, prompts()[:1], greedy(2))
     finally:
         engine.shutdown()
+
+
+class _ExitsWhenUnpickled:
+    """Unpickles into a call that ends the process: a worker that dies before it joins."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once(monkeypatch):
+    """Rank 0 does not wait in the rendezvous (or, on GPUs, in NCCL's set-up, which has no
+    time limit) for a worker that is gone."""
+    monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", "120")
+    spec = WorkerSpec("qwen3", Path("."), {"x": _ExitsWhenUnpickled()}, torch.float32, "cpu")
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank 1 exited \(code 3\) before joining"):
+        TensorParallelRanks(2, spec)
+    assert time.monotonic() - start < 60
 
 
 def test_the_engine_loop_stops_the_workers_when_it_ends(checkpoint):

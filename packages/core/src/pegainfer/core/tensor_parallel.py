@@ -30,8 +30,8 @@ import logging
 import multiprocessing.connection as mp_connection
 import os
 import signal
-import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +62,8 @@ CONTROL_TIMEOUT = timedelta(days=365)
 # NVLink multicast (NCCL's NVLS algorithms, torch's symmetric-memory multicast) can take a
 # host's GPUs down; off unless the user sets these themselves.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# The ranks meet at rank 0's store; each worker checks in there before it joins the groups.
+_HOST, _CHECK_IN, _CHECK_IN_POLL_S = "127.0.0.1", "pegainfer/check-in/", 0.05
 
 
 def keep_multicast_off() -> dict[str, str]:
@@ -127,11 +129,12 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _init(rank: int, world: int, port: int, device: torch.device) -> tuple[ParallelGroup, Any]:
+def _init(
+    rank: int, world: int, store: dist.Store, device: torch.device
+) -> tuple[ParallelGroup, Any]:
     """Join the ranks: the forward's group (NCCL on GPUs, gloo on the CPU) and the gloo group
     rank 0's messages travel over."""
-    init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                timeout=collective_timeout())  # fmt: skip
+    init = dict(store=store, rank=rank, world_size=world, timeout=collective_timeout())
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # device_id: the communicator exists before any graph captures a collective.
@@ -177,7 +180,9 @@ def _smallest(value: int, control: Any) -> int:
 def _worker(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     device = rank_device(spec.device, rank)
-    group, control = _init(rank, world, port, device)
+    store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=collective_timeout())
+    store.set(f"{_CHECK_IN}{rank}", "")
+    group, control = _init(rank, world, store, device)
     try:
         _serve(spec, device, group, control)
     except BaseException:
@@ -231,20 +236,21 @@ class TensorParallelRanks:
     steps (each call here comes right before rank 0 does the same)."""
 
     def __init__(self, world: int, spec: WorkerSpec) -> None:
-        collective_timeout()  # a bad PEGAINFER_TP_TIMEOUT_S fails here, before any worker
+        timeout = collective_timeout()  # a bad PEGAINFER_TP_TIMEOUT_S fails before any worker
         keep_multicast_off()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # Port 0: the store binds a free port itself and keeps it.
+        store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=timeout,
+                              wait_for_workers=False)  # fmt: skip
         context = mp.get_context("spawn")
-        self.workers = [context.Process(target=_worker, args=(rank, world, port, spec),
+        self.workers = [context.Process(target=_worker, args=(rank, world, store.port, spec),
                                         daemon=True, name=f"pegainfer-tp-rank{rank}")
                         for rank in range(1, world)]  # fmt: skip
         for worker in self.workers:
             worker.start()
         device = rank_device(spec.device, 0)
         try:
-            self.group, self._control = _init(0, world, port, device)
+            self._await_check_in(store, timeout.total_seconds())
+            self.group, self._control = _init(0, world, store, device)
         except BaseException:  # the workers would wait for rank 0 until their time limit
             for worker in self.workers:
                 worker.kill()
@@ -254,6 +260,23 @@ class TensorParallelRanks:
         if device.type == "cuda":
             threading.Thread(target=self._watch, daemon=True, name="pegainfer-tp-watch").start()
         atexit.register(self.shutdown)
+
+    def _await_check_in(self, store: dist.TCPStore, seconds: float) -> None:
+        """Wait until every worker has reached the store, failing at once if one exits before
+        (a worker that cannot start would otherwise leave rank 0 in the rendezvous, or in
+        NCCL's set-up, which has no time limit, until the timeout)."""
+        keys = [f"{_CHECK_IN}{rank}" for rank in range(1, len(self.workers) + 1)]
+        deadline = time.monotonic() + seconds
+        while not store.check(keys):
+            for rank, worker in enumerate(self.workers, start=1):
+                if not worker.is_alive():
+                    raise RankFailedError(
+                        f"tensor-parallel rank {rank} exited (code {worker.exitcode}) before "
+                        "joining; its output above says why"
+                    )
+            if time.monotonic() > deadline:
+                raise RankFailedError(f"tensor-parallel workers did not start in {seconds:.0f} s")
+            time.sleep(_CHECK_IN_POLL_S)
 
     def _watch(self) -> None:
         """On GPUs, a rank that dies mid-step leaves its peers' NCCL kernels waiting (a
