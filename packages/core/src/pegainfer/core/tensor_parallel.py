@@ -10,16 +10,17 @@ the same order on every rank: their warm-up steps all-reduce), then per step the
 (the arguments of `ForwardBatch.build`). Every rank runs the forward, replaying a graph exactly
 when rank 0 does (`DecodeGraphs.can_run` is a function of the plan); only rank 0 samples.
 
-Two process groups: the forward's collectives (NCCL on GPUs, gloo on the CPU) and rank 0's
-messages (gloo on the CPU, so a plan's broadcast waits for the workers to take it, never for a
-GPU; a worker waits for the next one however long the server stays idle). A worker that died
-fails the engine with a clear error at the next message; on GPUs a watcher thread also aborts
-the NCCL communicator the moment a worker dies, so rank 0's work in flight fails instead of
-waiting on collectives that will never complete (a replayed graph's collectives are outside
+The forward's collectives go over one process group (NCCL on GPUs, gloo on the CPU); rank 0's
+messages go down a pipe to each worker, pickled: writing one costs rank 0 microseconds and
+never waits for the worker (the gloo broadcast used before waited for the worker to take
+it), and a worker waits for the next one however long the server stays idle. A worker that
+died fails the engine with a clear error at the next message; on GPUs a watcher thread also
+aborts the NCCL communicator the moment a worker dies, so rank 0's work in flight fails instead
+of waiting on collectives that will never complete (a replayed graph's collectives are outside
 NCCL's watchdog and its time limit, `collective_timeout()`; eager ones time out). A worker
 exits at once on any error, and the ranks leave their groups with graphs gone first and a time
-limit. Under async scheduling, a step's decode rows take the
-ids the step before samples on rank 0: rank 0 broadcasts them once fed.
+limit. Under async scheduling, a step's decode rows take the ids the step before samples on
+rank 0: rank 0 broadcasts them once fed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import gc
 import logging
 import multiprocessing.connection as mp_connection
 import os
+import pickle
 import signal
 import threading
 import time
@@ -36,6 +38,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,9 +60,6 @@ T = TypeVar("T")
 # The forward's collectives, by default: long enough for a rank's first use of a kernel to
 # compile it while its peers wait (FlashInfer's JIT takes minutes).
 TIMEOUT = timedelta(seconds=600)
-# Rank 0's messages: a worker waits for the next one as long as the server stays idle (a
-# peer that dies still fails the wait at once: its connection closes).
-CONTROL_TIMEOUT = timedelta(days=365)
 # NVLink multicast (NCCL's NVLS algorithms, torch's symmetric-memory multicast) can take a
 # host's GPUs down; off unless the user sets these themselves.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -129,11 +130,8 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _init(
-    rank: int, world: int, store: dist.Store, device: torch.device
-) -> tuple[ParallelGroup, Any]:
-    """Join the ranks: the forward's group (NCCL on GPUs, gloo on the CPU) and the gloo group
-    rank 0's messages travel over."""
+def _init(rank: int, world: int, store: dist.Store, device: torch.device) -> ParallelGroup:
+    """Join the forward's group: NCCL on GPUs, gloo on the CPU."""
     init = dict(store=store, rank=rank, world_size=world, timeout=collective_timeout())
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -141,8 +139,7 @@ def _init(
         dist.init_process_group("nccl", device_id=device, **init)
     else:
         dist.init_process_group("gloo", **init)
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return ParallelGroup(rank, world, dist.group.WORLD), control
+    return ParallelGroup(rank, world, dist.group.WORLD)
 
 
 def _leave(seconds: float = 10.0) -> None:
@@ -164,27 +161,21 @@ def _leave(seconds: float = 10.0) -> None:
         logger.warning("the tensor-parallel process group did not close in %.0f s", seconds)
 
 
-def _receive(control: Any) -> Any:
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
-
-
-def _smallest(value: int, control: Any) -> int:
+def _smallest(value: int, device: torch.device) -> int:
     """The smallest of every rank's `value`."""
-    box = torch.tensor([value])
-    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=control)
+    box = torch.tensor([value], device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
     return int(box.item())
 
 
-def _worker(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
+def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     device = rank_device(spec.device, rank)
     store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=collective_timeout())
     store.set(f"{_CHECK_IN}{rank}", "")
-    group, control = _init(rank, world, store, device)
+    group = _init(rank, world, store, device)
     try:
-        _serve(spec, device, group, control)
+        _serve(spec, device, group, inbox)
     except BaseException:
         # Rank 0 died or a collective failed: exit at once, never waiting on peers that left.
         traceback.print_exc()
@@ -193,8 +184,8 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
     _leave()
 
 
-def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, control: Any) -> None:
-    """Follow rank 0's messages until it sends None."""
+def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, inbox: Connection) -> None:
+    """Follow rank 0's messages until it sends None (EOFError if rank 0 is gone)."""
     from pegainfer.core.plugins import model_lines
 
     line = next(line for line in model_lines() if line.name == spec.line)
@@ -204,7 +195,7 @@ def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, control
     cache: KVCache | None = None
     graphs: DecodeGraphs | None = None
     with torch.inference_mode():
-        while (message := _receive(control)) is not None:
+        while (message := pickle.loads(inbox.recv_bytes())) is not None:
             kind, detail = message
             if kind == "step":
                 plan, fed = detail
@@ -219,7 +210,7 @@ def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, control
             elif kind == "runtime":
                 model.init_runtime(detail)
             elif kind == "size_kv":
-                _smallest(fit_kv_blocks(model, detail, device), control)
+                _smallest(fit_kv_blocks(model, detail, device), device)
             elif kind == "cache":
                 cache = KVCache(model.kv_arenas(detail.block_size), detail.num_blocks,
                                 device, model.state_arenas(), detail.num_slots)  # fmt: skip
@@ -242,22 +233,27 @@ class TensorParallelRanks:
         store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=timeout,
                               wait_for_workers=False)  # fmt: skip
         context = mp.get_context("spawn")
-        self.workers = [context.Process(target=_worker, args=(rank, world, store.port, spec),
-                                        daemon=True, name=f"pegainfer-tp-rank{rank}")
-                        for rank in range(1, world)]  # fmt: skip
-        for worker in self.workers:
+        self.workers: list[BaseProcess] = []
+        self._outboxes: list[Connection] = []
+        for rank in range(1, world):
+            inbox, outbox = context.Pipe(duplex=False)
+            worker = context.Process(target=_worker, args=(rank, world, store.port, spec, inbox),
+                                     daemon=True, name=f"pegainfer-tp-rank{rank}")  # fmt: skip
             worker.start()
-        device = rank_device(spec.device, 0)
+            inbox.close()  # the worker's end: writing to a dead worker then fails at once
+            self.workers.append(worker)
+            self._outboxes.append(outbox)
+        self.device = rank_device(spec.device, 0)
         try:
             self._await_check_in(store, timeout.total_seconds())
-            self.group, self._control = _init(0, world, store, device)
+            self.group = _init(0, world, store, self.device)
         except BaseException:  # the workers would wait for rank 0 until their time limit
             for worker in self.workers:
                 worker.kill()
             raise
         self._open = True
         self.failed: str | None = None
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             threading.Thread(target=self._watch, daemon=True, name="pegainfer-tp-watch").start()
         atexit.register(self.shutdown)
 
@@ -302,7 +298,7 @@ class TensorParallelRanks:
     def size_kv(self, sizing: KVSizing, fit: Callable[[], int]) -> int:
         """Every rank fits its KV cache (rank 0 by `fit`); the smallest block count."""
         self._send("size_kv", sizing)
-        return self._collective(lambda: _smallest(fit(), self._control))
+        return self._collective(lambda: _smallest(fit(), self.device))
 
     def share(self, shape: CacheShape) -> None:
         self._send("cache", shape)
@@ -320,9 +316,12 @@ class TensorParallelRanks:
         self._collective(lambda: dist.broadcast(input_ids, src=0))
 
     def _send(self, kind: str, detail: Any) -> None:
-        self._collective(
-            lambda: dist.broadcast_object_list([(kind, detail)], src=0, group=self._control)
-        )
+        self._collective(lambda: self._post((kind, detail)))
+
+    def _post(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for outbox in self._outboxes:
+            outbox.send_bytes(data)
 
     def _collective(self, call: Callable[[], T]) -> T:
         if self.failed is not None:
@@ -335,7 +334,7 @@ class TensorParallelRanks:
                 )
         try:
             return call()
-        except RuntimeError as exc:  # a peer vanished mid-collective or timed out
+        except (RuntimeError, OSError) as exc:  # a peer vanished or a collective timed out
             raise RankFailedError(f"a tensor-parallel rank stopped answering: {exc}") from exc
 
     def shutdown(self) -> None:
@@ -346,8 +345,8 @@ class TensorParallelRanks:
         self._open = False
         try:
             if self.failed is None and all(worker.is_alive() for worker in self.workers):
-                dist.broadcast_object_list([None], src=0, group=self._control)
-        except RuntimeError:
+                self._post(None)
+        except OSError:
             logger.warning("a tensor-parallel rank did not take the stop message")
         _leave()
         for worker in self.workers:
