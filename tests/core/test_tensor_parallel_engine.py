@@ -28,16 +28,24 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("line", "async_scheduling"), [
-    ("qwen3", False), ("qwen3", True), ("deepseek", False), ("deepseek-q-lora", False),
+    ("qwen3", False), ("qwen3", True), ("qwen35", False), ("qwen35", True), ("deepseek", False),
+    ("deepseek-q-lora", False),
 ])  # fmt: skip
 def test_two_ranks_generate_what_one_does(checkpoint, tmp_path, line, async_scheduling):
-    """Greedy answers with chunked prefill; DeepSeek's experts split over the ranks too (with
-    and without a q LoRA: the fused q/kv_a projection keeps a rank's q rows or all q_a rows);
-    under async scheduling the decode rows' ids reach the other rank from rank 0."""
+    """Greedy answers with chunked prefill; Qwen3.5's recurrent state slots (each rank holds
+    its heads' share of the state) follow rank 0's; DeepSeek's experts split over the ranks
+    too (with and without a q LoRA: the fused q/kv_a projection keeps a rank's q rows or all
+    q_a rows); under async scheduling the decode rows' ids reach the other rank from rank 0."""
     from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
+    from tests.qwen35.hf_reference import write_hf_checkpoint as write_qwen35
 
     lora = {"q_lora_rank": 24} if line == "deepseek-q-lora" else {}
-    path = checkpoint if line == "qwen3" else write_deepseek(tmp_path / "deepseek", **lora)
+    if line == "qwen3":
+        path = checkpoint
+    elif line == "qwen35":
+        path = write_qwen35(tmp_path / "qwen35", tie=False)
+    else:
+        path = write_deepseek(tmp_path / "deepseek", **lora)
     expected = generate(make_engine(path), prompts(), greedy(12))
     engine = make_engine(path, tensor_parallel_size=2, max_num_batched_tokens=24,
                          async_scheduling=async_scheduling)  # fmt: skip

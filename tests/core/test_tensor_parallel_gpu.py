@@ -47,18 +47,23 @@ def checkpoints(tmp_path_factory):
     from tests.qwen3.golden_gate import write_gate_checkpoint as write_qwen3
     from tests.qwen3.test_engine_gpu import SMALL
     from tests.qwen3.test_engine_gpu import SMALL_LAYER_OUT as QWEN3_LAYER_OUT
+    from tests.qwen35 import test_engine_gpu as qwen35
 
     qwen3 = tmp_path_factory.mktemp("tp-qwen3")
     write_qwen3(qwen3, SMALL, QWEN3_LAYER_OUT, seed=11)
     deepseek = tmp_path_factory.mktemp("tp-deepseek")
     write_deepseek(deepseek, DEEPSEEK_STRUCTURE | LITE_GEOMETRY | GATE_ROUTING, SMALL_LAYER_OUT,
                    seed=3)  # fmt: skip
+    hybrid = tmp_path_factory.mktemp("tp-qwen35")
+    qwen35.write_gate_checkpoint(hybrid, qwen35.SMALL, qwen35.SMALL_LAYER_OUT, seed=11)
     return {"qwen3": (qwen3, SMALL["vocab_size"]),
+            "qwen35": (hybrid, qwen35.SMALL["vocab_size"]),
             "deepseek": (deepseek, LITE_GEOMETRY["vocab_size"])}  # fmt: skip
 
 
 @pytest.mark.parametrize(("line", "async_scheduling"),
-                         [("qwen3", False), ("qwen3", True), ("deepseek", False)])  # fmt: skip
+                         [("qwen3", False), ("qwen3", True), ("qwen35", False),
+                          ("deepseek", False)])  # fmt: skip
 def test_two_gpus_generate_what_one_does(checkpoints, line, async_scheduling):
     path, vocab = checkpoints[line]
     one = gpu_engine(path)
