@@ -3,8 +3,13 @@ a worker that dies fails the engine with a clear error instead of hanging it."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -97,6 +102,59 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(monkeypatch):
     with pytest.raises(RankFailedError, match=r"rank 1 exited \(code 3\) before joining"):
         TensorParallelRanks(2, spec)
     assert time.monotonic() - start < 60
+
+
+def test_plans_larger_than_a_pipes_default_buffer_reach_the_workers(checkpoint, monkeypatch):
+    """48 prompts of 440 tokens prefilled in one step, in blocks of one token: the plan (every
+    token and every row's block table) outgrows a pipe's default 64 KiB, and the ranks still
+    generate what one does."""
+    sizes: list[int] = []
+    post = TensorParallelRanks._post
+
+    def measured(self, message):
+        sizes.append(len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
+        post(self, message)
+
+    monkeypatch.setattr(TensorParallelRanks, "_post", measured)
+    g = torch.Generator().manual_seed(2)
+    long = [torch.randint(0, VOCAB, (440,), generator=g).tolist() for _ in range(48)]
+    options = dict(block_size=1, max_num_batched_tokens=48 * 440)  # every prompt in one step
+    expected = generate(make_engine(checkpoint, **options), long, greedy(3))
+    engine = make_engine(checkpoint, tensor_parallel_size=2, **options)
+    try:
+        assert generate(engine, long, greedy(3)) == expected
+        # The pipe was widened, so rank 0's write of such a plan does not wait for the worker.
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        room = fcntl.fcntl(engine.ranks._outboxes[0].fileno(), fcntl.F_GETPIPE_SZ)
+        assert room == min(1 << 20, limit) > 64 * 1024
+    finally:
+        engine.shutdown()
+    assert max(sizes) > 64 * 1024
+
+
+def test_workers_end_when_rank_0_is_killed(checkpoint, tmp_path):
+    """A worker does not outlive a rank 0 that was killed (no stop message, no atexit)."""
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, signal
+        from tests.engine_harness import generate, greedy, make_engine
+        if __name__ == "__main__":
+            engine = make_engine({str(checkpoint)!r}, tensor_parallel_size=2)
+            generate(engine, [[1, 2, 3]], greedy(2))
+            print(engine.ranks.workers[0].pid, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    )
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True,
+                         env=os.environ | {"PYTHONPATH": str(root)}, timeout=120)  # fmt: skip
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    worker = int(run.stdout.split()[-1])
+    deadline = time.monotonic() + 15
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{worker}").exists()
 
 
 def test_the_engine_loop_stops_the_workers_when_it_ends(checkpoint):

@@ -69,8 +69,11 @@ class EngineLoop:
         self._inbox.put(_encoder.encode(message))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop and wait for the engine's own shutdown (a failed loop is still
+        shutting its engine down when it reports the failure)."""
         if self.alive:
             self.send(Shutdown())
+        if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _run(self) -> None:

@@ -12,20 +12,22 @@ when rank 0 does (`DecodeGraphs.can_run` is a function of the plan); only rank 0
 
 The forward's collectives go over one process group (NCCL on GPUs, gloo on the CPU); rank 0's
 messages go down a pipe to each worker, pickled: writing one costs rank 0 microseconds and
-never waits for the worker (the gloo broadcast used before waited for the worker to take
-it), and a worker waits for the next one however long the server stays idle. A worker that
-died fails the engine with a clear error at the next message; on GPUs a watcher thread also
-aborts the NCCL communicator the moment a worker dies, so rank 0's work in flight fails instead
-of waiting on collectives that will never complete (a replayed graph's collectives are outside
-NCCL's watchdog and its time limit, `collective_timeout()`; eager ones time out). A worker
-exits at once on any error, and the ranks leave their groups with graphs gone first and a time
-limit. Under async scheduling, a step's decode rows take the ids the step before samples on
-rank 0: rank 0 broadcasts them once fed.
+does not wait for the worker while the pipe has room (1 MiB; the gloo broadcast used before
+waited for the worker to take every message), and a worker waits for the next one however
+long the server stays idle. A watcher thread on rank 0 sees a worker die: the engine fails
+with a clear error at its next message, the other workers are ended, and on GPUs the NCCL
+communicator is aborted, so rank 0's work in flight fails instead of waiting on collectives
+that will never complete (a replayed graph's collectives are outside NCCL's watchdog and its
+time limit, `collective_timeout()`; eager ones time out). A worker exits at once on any
+error or when rank 0's process ends, and the ranks leave their group with graphs gone first
+and a time limit. Under async scheduling, a step's decode rows take the ids the step before
+samples on rank 0: rank 0 broadcasts them once fed.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import gc
 import logging
 import multiprocessing.connection as mp_connection
@@ -65,6 +67,7 @@ TIMEOUT = timedelta(seconds=600)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # The ranks meet at rank 0's store; each worker checks in there before it joins the groups.
 _HOST, _CHECK_IN, _CHECK_IN_POLL_S = "127.0.0.1", "pegainfer/check-in/", 0.05
+_PIPE_BYTES = 1 << 20  # Linux's default limit for an unprivileged process
 
 
 def keep_multicast_off() -> dict[str, str]:
@@ -130,6 +133,15 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def _widen(outbox: Connection) -> None:
+    """Give the pipe room for a large plan (every row's block table) so that rank 0's write
+    does not wait for the worker; Linux pipes hold 64 KiB by default."""
+    try:
+        fcntl.fcntl(outbox.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except OSError as exc:  # above /proc/sys/fs/pipe-max-size: large plans wait for the reader
+        logger.info("the tensor-parallel pipe keeps its default size: %s", exc)
+
+
 def _init(rank: int, world: int, store: dist.Store, device: torch.device) -> ParallelGroup:
     """Join the forward's group: NCCL on GPUs, gloo on the CPU."""
     init = dict(store=store, rank=rank, world_size=world, timeout=collective_timeout())
@@ -170,7 +182,11 @@ def _smallest(value: int, device: torch.device) -> int:
 
 def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
+    threading.Thread(target=_exit_with_parent, daemon=True, name="pegainfer-tp-parent").start()
     device = rank_device(spec.device, rank)
+    if device.type == "cuda":  # a device that cannot start fails before the check-in
+        torch.cuda.set_device(device)
+        torch.cuda.init()
     store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=collective_timeout())
     store.set(f"{_CHECK_IN}{rank}", "")
     group = _init(rank, world, store, device)
@@ -182,6 +198,15 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connectio
         os._exit(1)
     gc.collect()  # the graphs (captured collectives) before the communicator
     _leave()
+
+
+def _exit_with_parent() -> None:
+    """End the worker when rank 0's process ends, even while the worker is blocked in a
+    collective or a device sync (where it would never see the pipe close)."""
+    parent = mp.parent_process()
+    if parent is not None:
+        mp_connection.wait([parent.sentinel])
+        os._exit(1)
 
 
 def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, inbox: Connection) -> None:
@@ -235,26 +260,26 @@ class TensorParallelRanks:
         context = mp.get_context("spawn")
         self.workers: list[BaseProcess] = []
         self._outboxes: list[Connection] = []
-        for rank in range(1, world):
-            inbox, outbox = context.Pipe(duplex=False)
-            worker = context.Process(target=_worker, args=(rank, world, store.port, spec, inbox),
-                                     daemon=True, name=f"pegainfer-tp-rank{rank}")  # fmt: skip
-            worker.start()
-            inbox.close()  # the worker's end: writing to a dead worker then fails at once
-            self.workers.append(worker)
-            self._outboxes.append(outbox)
         self.device = rank_device(spec.device, 0)
         try:
+            for rank in range(1, world):
+                inbox, outbox = context.Pipe(duplex=False)
+                _widen(outbox)
+                self._outboxes.append(outbox)
+                self.workers.append(context.Process(
+                    target=_worker, args=(rank, world, store.port, spec, inbox), daemon=True,
+                    name=f"pegainfer-tp-rank{rank}",
+                ))  # fmt: skip
+                self.workers[-1].start()
+                inbox.close()  # the worker's end: writing to a dead worker then fails at once
             self._await_check_in(store, timeout.total_seconds())
             self.group = _init(0, world, store, self.device)
         except BaseException:  # the workers would wait for rank 0 until their time limit
-            for worker in self.workers:
-                worker.kill()
+            self._stop_workers(deadline=time.monotonic())
             raise
         self._open = True
         self.failed: str | None = None
-        if self.device.type == "cuda":
-            threading.Thread(target=self._watch, daemon=True, name="pegainfer-tp-watch").start()
+        threading.Thread(target=self._watch, daemon=True, name="pegainfer-tp-watch").start()
         atexit.register(self.shutdown)
 
     def _await_check_in(self, store: dist.TCPStore, seconds: float) -> None:
@@ -275,21 +300,26 @@ class TensorParallelRanks:
             time.sleep(_CHECK_IN_POLL_S)
 
     def _watch(self) -> None:
-        """On GPUs, a rank that dies mid-step leaves its peers' NCCL kernels waiting (a
-        replayed graph's collectives are not even under NCCL's watchdog): abort the
-        communicator, so rank 0's pending work fails instead of hanging, and the next
-        message raises RankFailedError."""
+        """When a worker dies mid-run, fail the engine at its next message and end the others:
+        a survivor may be stuck in a collective with the dead rank, never reading rank 0's
+        next message (whose write then blocks once the pipe is full). On GPUs, also abort the
+        communicator: the dead rank leaves rank 0's NCCL kernels waiting (a replayed graph's
+        collectives are not even under NCCL's watchdog)."""
         sentinels = {worker.sentinel: rank for rank, worker in enumerate(self.workers, 1)}
         ended = mp_connection.wait(list(sentinels))
         if not self._open:
             return
         rank = sentinels[ended[0]]
         self.failed = f"tensor-parallel rank {rank} exited mid-run"
+        logger.error("%s; stopping the other ranks", self.failed)
+        for worker in self.workers:
+            worker.kill()
+        if self.device.type != "cuda":
+            return
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is None:
-            logger.error("%s; this torch cannot abort NCCL: work in flight may hang", self.failed)
+            logger.error("this torch cannot abort NCCL: work in flight may hang")
             return
-        logger.error("%s; aborting the NCCL communicator", self.failed)
         abort()
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
@@ -348,8 +378,17 @@ class TensorParallelRanks:
                 self._post(None)
         except OSError:
             logger.warning("a tensor-parallel rank did not take the stop message")
-        _leave()
+        try:
+            _leave()
+        finally:
+            self._stop_workers(deadline=time.monotonic() + 10)
+
+    def _stop_workers(self, deadline: float) -> None:
+        """Join the workers until `deadline`, kill those still running, close the pipes."""
         for worker in self.workers:
-            worker.join(timeout=10)
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.kill()
+                worker.join()
+        for outbox in self._outboxes:
+            outbox.close()
