@@ -68,7 +68,11 @@ def load_model(line: ModelLine, path, block_size: int = BLOCK) -> Model:
     """A line's model from a checkpoint, in float32 on the CPU, ready to step."""
     ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"))
     model = line.build_model(ctx)
-    model.init_runtime(RuntimeConfig(block_size=block_size, max_model_len=512))
+    model.init_runtime(
+        RuntimeConfig(
+            block_size=block_size, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16
+        )
+    )
     return model
 
 

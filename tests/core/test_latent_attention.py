@@ -9,15 +9,25 @@ import torch
 import torch.nn.functional as F
 
 from pegainfer.core import latent_attention
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.latent_attention import (
+    MLA_PLAN_WORK_ITEMS,
     LatentShape,
     TorchPagedLatentAttention,
+    check_mla_plan_fits,
     make_latent_attention,
+    mla_plan_work_items,
 )
+from pegainfer.core.model_line import RuntimeConfig
 
 HEADS, NOPE, ROPE, RANK, V, BLOCK, SCALE = 4, 16, 8, 32, 16, 4, 0.2
 SHAPE = LatentShape(HEADS, RANK, ROPE, NOPE, V, SCALE)
+
+
+def runtime(pages: int) -> RuntimeConfig:
+    return RuntimeConfig(block_size=BLOCK, max_model_len=pages * BLOCK,
+                         max_num_batched_tokens=pages * BLOCK, max_num_seqs=16)  # fmt: skip
 
 
 def expanded(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale):
@@ -90,7 +100,7 @@ def test_chunks_split_between_the_forms_by_cost_with_one_result():
         True, False, True, True, False,
     ]  # fmt: skip
     batch, tables, ckv, kpe, q_nope, q_pe, w = random_step(starts, lengths, seed=1)
-    attn = make_latent_attention(SHAPE, torch.float64, torch.device("cpu"), 64)
+    attn = make_latent_attention(SHAPE, torch.float64, torch.device("cpu"), runtime(64))
     attn.plan(batch)
     ours = attn.run(q_nope, q_pe, ckv, kpe, w)
     assert attn._split.expanded_rows.tolist() == [*range(0, 40), *range(41, 78)]
@@ -113,7 +123,7 @@ def test_a_step_over_the_expansion_budget_attends_the_rest_absorbed(monkeypatch,
     monkeypatch.setattr(latent_attention, "_EXPANDED_TOKEN_HEADS", 45 * HEADS)
     starts = [0, 12][: len(lengths)]
     batch, tables, ckv, kpe, q_nope, q_pe, w = random_step(starts, lengths, seed=2)
-    attn = make_latent_attention(SHAPE, torch.float64, torch.device("cpu"), 32)
+    attn = make_latent_attention(SHAPE, torch.float64, torch.device("cpu"), runtime(32))
     attn.plan(batch)
     ours = attn.run(q_nope, q_pe, ckv, kpe, w)
     split = attn._split
@@ -121,3 +131,57 @@ def test_a_step_over_the_expansion_budget_attends_the_rest_absorbed(monkeypatch,
         (True, True) if len(lengths) == 2 else (False, True)
     )
     assert_equals_the_expanded_form(ours, starts, lengths, tables, ckv, kpe, q_nope, q_pe, w)
+
+
+def planner_work_items(q_lens: list[int], kv_lens: list[int], num_heads: int, num_sms: int) -> int:
+    """The work items FlashInfer 0.6's `MLAPlan` (attention/scheduler.cuh) makes for a causal
+    step, counted the way it schedules them."""
+
+    def causal_end(q_len, kv_len, tile, tile_q, tiles):  # packed_causal_kv_end
+        if tile + 1 == tiles:
+            return kv_len
+        return max(min(kv_len - q_len + -(-(tile + 1) * tile_q // num_heads), kv_len), 0)
+
+    packed = [q * num_heads for q in q_lens]
+    cluster = 2 if sum(packed) // len(packed) > 64 else 1
+    clusters, tile_q = num_sms // cluster, 64 * cluster
+    ends = [causal_end(q, kv, t, tile_q, -(-p // tile_q))
+            for q, kv, p in zip(q_lens, kv_lens, packed, strict=True)
+            for t in range(-(-p // tile_q))]  # fmt: skip
+    total = sum(ends)
+    x = max(-(-total // clusters), 1)
+    limit = 32 if x <= 8 else 64 if x <= 16 else 128 if x <= 32 else 192 if x <= 64 else (
+        -(-x // 256) * 256)  # fmt: skip
+    return sum(max(-(-end // limit), 1) for end in ends)
+
+
+@pytest.mark.parametrize("num_heads", [16, 64, 128])
+def test_the_mla_planner_bound_holds_for_its_schedule(num_heads):
+    """`mla_plan_work_items` bounds what FlashInfer's planner makes, over random steps of
+    decodes, chunks after prefixes and whole prompts within the step budgets."""
+    g = torch.Generator().manual_seed(num_heads)
+    max_tokens, max_seqs, sms = 2048, 64, 132
+    for _ in range(200):
+        seqs = int(torch.randint(1, max_seqs + 1, (1,), generator=g))
+        q = torch.randint(1, 3 * max_tokens // seqs + 2, (seqs,), generator=g)
+        q = (q * max_tokens // max(int(q.sum()), max_tokens)).clamp(min=1).tolist()
+        kv = [n + int(torch.randint(0, 5000, (1,), generator=g)) for n in q]
+        made = planner_work_items(q, kv, num_heads, sms)
+        assert made <= mla_plan_work_items(num_heads, sum(q), seqs, sms)
+    # One 2,048-token prompt: the bound is at most twice the planner's count (it assumes
+    # tiles of 64 rows where the planner takes 128) plus the SMs and the one sequence.
+    made = planner_work_items([2048], [2048], num_heads, sms)
+    assert mla_plan_work_items(num_heads, 2048, 1, sms) <= 2 * made + sms + 1
+
+
+def test_step_budgets_the_mla_planner_cannot_hold_are_refused():
+    """Kimi-K2's 128 heads on one GPU: an 8,192-token step can overrun the planner, 2,048
+    cannot; the error names the largest budget that fits, and that budget passes."""
+    check_mla_plan_fits(128, 2048, 256, 132)
+    with pytest.raises(ConfigError, match="at most 7998") as refused:
+        check_mla_plan_fits(128, 8192, 256, 132)
+    assert str(MLA_PLAN_WORK_ITEMS) in str(refused.value)
+    check_mla_plan_fits(128, 7998, 256, 132)
+    with pytest.raises(ConfigError):
+        check_mla_plan_fits(128, 7999, 256, 132)
+    check_mla_plan_fits(16, 60_000, 256, 132)

@@ -16,6 +16,7 @@ from pegainfer.core.latent_attention import (
     TorchRaggedAttention,
     make_latent_attention,
 )
+from pegainfer.core.model_line import RuntimeConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -117,7 +118,9 @@ def test_both_forms_on_flashinfer_equal_the_references(heads, starts, chunks):
     q_pe = torch.randn(tokens, heads, ROPE, device="cuda", generator=g).bfloat16()
     kv_b = (torch.randn(heads, NOPE + V, RANK, device="cuda", generator=g) * 0.05).bfloat16()
     shape = LatentShape(heads, RANK, ROPE, NOPE, V, scale=192**-0.5)
-    fast = make_latent_attention(shape, torch.bfloat16, torch.device("cuda"), 128)
+    runtime = RuntimeConfig(block_size=BLOCK, max_model_len=128 * BLOCK,
+                            max_num_batched_tokens=4096, max_num_seqs=16)  # fmt: skip
+    fast = make_latent_attention(shape, torch.bfloat16, torch.device("cuda"), runtime)
     assert isinstance(fast.absorbed, FlashInferPagedLatentAttention)
     assert isinstance(fast.expanded, FlashInferRaggedAttention)
     references = TorchPagedLatentAttention(shape), TorchRaggedAttention(shape.scale)

@@ -31,7 +31,9 @@ def steps(line: str, path: Path, group: ParallelGroup) -> list[torch.Tensor]:
     """A prefill, two decodes beside a second prompt's chunks: every step's logits."""
     ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"), group)
     model = LINES[line]().build_model(ctx)
-    model.init_runtime(RuntimeConfig(block_size=4, max_model_len=256))
+    model.init_runtime(
+        RuntimeConfig(block_size=4, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=16)
+    )
     a, b = random_tokens(19, 1, VOCAB), random_tokens(12, 2, VOCAB)
     runner = PagedRunner(model)
     logits = [runner.step({"a": a[:17]})["a"]]

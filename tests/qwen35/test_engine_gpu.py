@@ -106,7 +106,11 @@ def test_prefill_chunks_and_decode_match_transformers_bf16(tmp_path):
     cuda = torch.device("cuda")
     ctx = ModelContext(tmp_path, read_config(tmp_path), torch.bfloat16, cuda)
     model = Qwen35Line().build_model(ctx)
-    model.init_runtime(RuntimeConfig(block_size=BLOCK, max_model_len=512))
+    model.init_runtime(
+        RuntimeConfig(
+            block_size=BLOCK, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16
+        )
+    )
     hf = hf_model(tmp_path, torch.bfloat16)
     tokens = torch.randint(0, 500, (150,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():

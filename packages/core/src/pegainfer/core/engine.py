@@ -183,7 +183,13 @@ class EngineCore:
         cuda = device.type == "cuda"
         use_graphs = cuda and not args.enforce_eager and self.model.supports_cuda_graphs
         buckets = graph_buckets(args.max_num_seqs) if use_graphs else ()
-        runtime = RuntimeConfig(args.block_size, max_model_len, buckets)
+        runtime = RuntimeConfig(
+            block_size=args.block_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            graph_buckets=buckets,
+        )
         if self.ranks is not None:
             self.ranks.init_runtime(runtime)
         self.model.init_runtime(runtime)

@@ -39,7 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from pegainfer.core.attention import PagedIndex, PlanStaging
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops.latent_attention import paged_latent_attention, ragged_attention
 
 _WORKSPACE_BYTES = 128 << 20
@@ -47,6 +49,30 @@ _WORKSPACE_BYTES = 128 << 20
 FLASHINFER_LATENT_SHAPES = {(512, 64)}
 # The most cached tokens × heads one step up-projects for the expanded form.
 _EXPANDED_TOKEN_HEADS = 1 << 20
+# FlashInfer's MLA planner (`MLAPlan`, FA2 and FA3 alike) lays its schedule out for this many
+# work items and does not check: a step that needs more overruns its buffers.
+MLA_PLAN_WORK_ITEMS = 16384
+
+
+def mla_plan_work_items(num_heads: int, max_tokens: int, max_seqs: int, num_sms: int) -> int:
+    """The most work items FlashInfer's MLA planner makes for a step of at most `max_tokens`
+    query rows in at most `max_seqs` sequences. It tiles each sequence's rows × heads by 64
+    or 128 (so at most rows·heads/64 + 1 tiles a sequence), then cuts each tile's keys in
+    pieces of at least total keys / clusters (clusters ≤ SMs), so the pieces number at most
+    tiles + clusters."""
+    return num_sms + -(-max_tokens * num_heads // 64) + max_seqs
+
+
+def check_mla_plan_fits(num_heads: int, max_tokens: int, max_seqs: int, num_sms: int) -> None:
+    """Refuse step budgets whose worst step would overrun FlashInfer's MLA planner."""
+    worst = mla_plan_work_items(num_heads, max_tokens, max_seqs, num_sms)
+    if worst > MLA_PLAN_WORK_ITEMS:
+        fits = (MLA_PLAN_WORK_ITEMS - num_sms - max_seqs) * 64 // num_heads
+        raise ConfigError(
+            f"a step of {max_tokens} tokens in {max_seqs} sequences at {num_heads} attention "
+            f"heads per GPU can need {worst} work items in FlashInfer's MLA planner, which "
+            f"holds {MLA_PLAN_WORK_ITEMS}: set --max-num-batched-tokens to at most {fits}"
+        )
 
 
 @dataclass(frozen=True)
@@ -420,16 +446,16 @@ def _token_slots(batch: ForwardBatch, seqs: list[int]) -> torch.Tensor:
 
 
 def make_latent_attention(
-    shape: LatentShape,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_pages_per_seq: int,
-    graph_buckets: tuple[int, ...] = (),
+    shape: LatentShape, dtype: torch.dtype, device: torch.device, runtime: RuntimeConfig
 ) -> MultiHeadLatentAttention:
-    """FlashInfer on CUDA for the latent sizes it covers, the torch references otherwise."""
+    """FlashInfer on CUDA for the latent sizes it covers (if the step budgets fit its planner),
+    the torch references otherwise."""
     if device.type == "cuda" and shape.flashinfer_supported:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        check_mla_plan_fits(shape.num_heads, runtime.max_num_batched_tokens,
+                            runtime.max_num_seqs, sms)  # fmt: skip
         absorbed = FlashInferPagedLatentAttention(
-            shape, dtype, device, max_pages_per_seq, graph_buckets
+            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
         )
         expanded: RaggedAttention = FlashInferRaggedAttention(shape, dtype, absorbed.workspace)
     else:

@@ -56,6 +56,9 @@ class RuntimeConfig:
 
     block_size: int
     max_model_len: int
+    #: The most tokens and sequences one step carries (the scheduler's budgets).
+    max_num_batched_tokens: int
+    max_num_seqs: int
     #: Batch sizes decode CUDA graphs are captured for (empty: run eagerly).
     graph_buckets: tuple[int, ...] = ()
 

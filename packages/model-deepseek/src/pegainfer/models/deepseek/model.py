@@ -234,9 +234,7 @@ class DeepseekV2ForCausalLM(Model):
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
         self.rope = ops.InterleavedRope(self.cfg.rope, runtime.max_model_len, device)
-        self.attn = make_latent_attention(
-            self.latent_shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
-        )
+        self.attn = make_latent_attention(self.latent_shape, dtype, device, runtime)
         self.ops = layer_ops(device)
 
     def prepare(self, batch: ForwardBatch) -> None:
