@@ -158,30 +158,45 @@ def planner_work_items(q_lens: list[int], kv_lens: list[int], num_heads: int, nu
 @pytest.mark.parametrize("num_heads", [16, 64, 128])
 def test_the_mla_planner_bound_holds_for_its_schedule(num_heads):
     """`mla_plan_work_items` bounds what FlashInfer's planner makes, over random steps of
-    decodes, chunks after prefixes and whole prompts within the step budgets."""
+    decodes only (few packed rows: the planner's one-CTA clusters) and of decodes, chunks after
+    prefixes and whole prompts, within the step budgets."""
     g = torch.Generator().manual_seed(num_heads)
     max_tokens, max_seqs, sms = 2048, 64, 132
-    for _ in range(200):
+    for trial in range(400):
         seqs = int(torch.randint(1, max_seqs + 1, (1,), generator=g))
-        q = torch.randint(1, 3 * max_tokens // seqs + 2, (seqs,), generator=g)
-        q = (q * max_tokens // max(int(q.sum()), max_tokens)).clamp(min=1).tolist()
-        kv = [n + int(torch.randint(0, 5000, (1,), generator=g)) for n in q]
+        if trial % 2:
+            q = [1] * seqs
+        else:
+            q = torch.randint(1, 3 * max_tokens // seqs + 2, (seqs,), generator=g)
+            q = (q * max_tokens // max(int(q.sum()), max_tokens)).clamp(min=1).tolist()
+        kv = [n + int(torch.randint(0, 100_000, (1,), generator=g)) for n in q]
         made = planner_work_items(q, kv, num_heads, sms)
         assert made <= mla_plan_work_items(num_heads, sum(q), seqs, sms)
-    # One 2,048-token prompt: the bound is at most twice the planner's count (it assumes
-    # tiles of 64 rows where the planner takes 128) plus the SMs and the one sequence.
-    made = planner_work_items([2048], [2048], num_heads, sms)
-    assert mla_plan_work_items(num_heads, 2048, 1, sms) <= 2 * made + sms + 1
+
+
+@pytest.mark.parametrize(("q_lens", "kv_len", "num_heads", "made"), [
+    ([1], 10**6, 16, 131),  # one decode over a long cache: cut into a piece per SM
+    ([1] * 2000, 50, 16, 2000),  # many short decodes: a work item each
+    ([1] * 1000, 50, 64, 1000),  # the same at 64 heads (tiles of 64 packed rows)
+    ([1] * 256, 50, 128, 256),  # 128 heads: tiles of 128 packed rows
+    ([16318], 16318, 128, 16318),  # one long prompt at 128 heads
+])  # fmt: skip
+def test_the_mla_planner_bound_at_its_tight_cases(q_lens, kv_len, num_heads, made):
+    """Steps where each of the bound's terms (SMs, packed rows, sequences) is what the planner
+    needs: dropping any of them would break it."""
+    sms = 132
+    assert planner_work_items(q_lens, [kv_len] * len(q_lens), num_heads, sms) == made
+    assert made <= mla_plan_work_items(num_heads, sum(q_lens), len(q_lens), sms)
 
 
 def test_step_budgets_the_mla_planner_cannot_hold_are_refused():
-    """Kimi-K2's 128 heads on one GPU: an 8,192-token step can overrun the planner, 2,048
-    cannot; the error names the largest budget that fits, and that budget passes."""
-    check_mla_plan_fits(128, 2048, 256, 132)
-    with pytest.raises(ConfigError, match="at most 7998") as refused:
-        check_mla_plan_fits(128, 8192, 256, 132)
+    """Kimi-K2's 128 heads on one GPU: up to 16,062 tokens a step fit beside 256 sequences;
+    the error names that budget, or says to lower the sequence count when no token budget
+    would do."""
+    check_mla_plan_fits(128, 16062, 256, 132)
+    with pytest.raises(ConfigError, match="at most 16062") as refused:
+        check_mla_plan_fits(128, 16063, 256, 132)
     assert str(MLA_PLAN_WORK_ITEMS) in str(refused.value)
-    check_mla_plan_fits(128, 7998, 256, 132)
-    with pytest.raises(ConfigError):
-        check_mla_plan_fits(128, 7999, 256, 132)
     check_mla_plan_fits(16, 60_000, 256, 132)
+    with pytest.raises(ConfigError, match="lower --max-num-seqs"):
+        check_mla_plan_fits(16, 1, 16400, 132)

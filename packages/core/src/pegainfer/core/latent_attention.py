@@ -54,25 +54,35 @@ _EXPANDED_TOKEN_HEADS = 1 << 20
 MLA_PLAN_WORK_ITEMS = 16384
 
 
+def _mla_plan_tiling(num_heads: int, num_sms: int) -> tuple[int, int]:
+    """(rows of a tile, clusters) the planner may pick: 128 and SMs / 2 when every sequence
+    packs more than 64 rows × heads (always past 64 heads), else 64 and up to SMs."""
+    return (128, num_sms // 2) if num_heads > 64 else (64, num_sms)
+
+
 def mla_plan_work_items(num_heads: int, max_tokens: int, max_seqs: int, num_sms: int) -> int:
     """The most work items FlashInfer's MLA planner makes for a step of at most `max_tokens`
-    query rows in at most `max_seqs` sequences. It tiles each sequence's rows × heads by 64
-    or 128 (so at most rows·heads/64 + 1 tiles a sequence), then cuts each tile's keys in
-    pieces of at least total keys / clusters (clusters ≤ SMs), so the pieces number at most
-    tiles + clusters."""
-    return num_sms + -(-max_tokens * num_heads // 64) + max_seqs
+    query rows in at most `max_seqs` sequences. It tiles each sequence's rows × heads (at
+    most rows·heads/tile + 1 tiles a sequence), then cuts each tile's keys in pieces of at
+    least total keys / clusters, so the pieces number at most tiles + clusters."""
+    tile, clusters = _mla_plan_tiling(num_heads, num_sms)
+    return clusters + -(-max_tokens * num_heads // tile) + max_seqs
 
 
 def check_mla_plan_fits(num_heads: int, max_tokens: int, max_seqs: int, num_sms: int) -> None:
     """Refuse step budgets whose worst step would overrun FlashInfer's MLA planner."""
     worst = mla_plan_work_items(num_heads, max_tokens, max_seqs, num_sms)
-    if worst > MLA_PLAN_WORK_ITEMS:
-        fits = (MLA_PLAN_WORK_ITEMS - num_sms - max_seqs) * 64 // num_heads
-        raise ConfigError(
-            f"a step of {max_tokens} tokens in {max_seqs} sequences at {num_heads} attention "
-            f"heads per GPU can need {worst} work items in FlashInfer's MLA planner, which "
-            f"holds {MLA_PLAN_WORK_ITEMS}: set --max-num-batched-tokens to at most {fits}"
-        )
+    if worst <= MLA_PLAN_WORK_ITEMS:
+        return
+    tile, clusters = _mla_plan_tiling(num_heads, num_sms)
+    fits = (MLA_PLAN_WORK_ITEMS - clusters - max_seqs) * tile // num_heads
+    advice = (f"set --max-num-batched-tokens to at most {fits}" if fits >= max_seqs
+              else "lower --max-num-seqs")  # fmt: skip
+    raise ConfigError(
+        f"a step of {max_tokens} tokens in {max_seqs} sequences at {num_heads} attention heads "
+        f"per GPU can need {worst} work items in FlashInfer's MLA planner, which holds "
+        f"{MLA_PLAN_WORK_ITEMS}: {advice}"
+    )
 
 
 @dataclass(frozen=True)
@@ -451,9 +461,14 @@ def make_latent_attention(
     """FlashInfer on CUDA for the latent sizes it covers (if the step budgets fit its planner),
     the torch references otherwise."""
     if device.type == "cuda" and shape.flashinfer_supported:
+        # The most rows and sequences the absorbed form plans in one step: a decode graph
+        # pads to its bucket (up to max_num_seqs rows), and the KV-sizing step splits the
+        # token budget into prompts of at most max_model_len.
+        budget = runtime.max_num_batched_tokens
+        rows = max(budget, max(runtime.graph_buckets, default=0))
+        seqs = max(runtime.max_num_seqs, -(-budget // runtime.max_model_len))
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        check_mla_plan_fits(shape.num_heads, runtime.max_num_batched_tokens,
-                            runtime.max_num_seqs, sms)  # fmt: skip
+        check_mla_plan_fits(shape.num_heads, rows, seqs, sms)
         absorbed = FlashInferPagedLatentAttention(
             shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
         )
