@@ -4,6 +4,7 @@ a worker that dies fails the engine with a clear error instead of hanging it."""
 from __future__ import annotations
 
 import fcntl
+import multiprocessing
 import os
 import pickle
 import signal
@@ -99,8 +100,9 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(monkeypatch):
     monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", "120")
     spec = WorkerSpec("qwen3", Path("."), {"x": _ExitsWhenUnpickled()}, torch.float32, "cpu")
     start = time.monotonic()
+    ranks = TensorParallelRanks(2, spec)
     with pytest.raises(RankFailedError, match=r"rank 1 exited \(code 3\) before joining"):
-        TensorParallelRanks(2, spec)
+        ranks.join()
     assert time.monotonic() - start < 60
 
 
@@ -155,6 +157,20 @@ def test_workers_end_when_rank_0_is_killed(checkpoint, tmp_path):
     while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{worker}").exists()
+
+
+def test_workers_still_loading_stop_when_rank_0_fails_to_load(checkpoint, monkeypatch):
+    """Workers load their shares while rank 0 loads its own; if rank 0's load fails, they are
+    stopped, not left loading or waiting to join."""
+    from pegainfer.models.qwen3.line import Qwen3Line
+
+    def unreadable(self, context):
+        raise ConfigError("rank 0's weights are unreadable")
+
+    monkeypatch.setattr(Qwen3Line, "build_model", unreadable)
+    with pytest.raises(ConfigError, match="unreadable"):
+        make_engine(checkpoint, tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pegainfer-tp")]
 
 
 def test_the_engine_loop_stops_the_workers_when_it_ends(checkpoint):

@@ -168,6 +168,8 @@ class EngineCore:
         """Everything after the ranks start: the model, its cache and graphs, the scheduler."""
         self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device, group))
         self.model.eval()
+        if self.ranks is not None:  # the workers loaded their shares meanwhile
+            self.ranks.join()
 
         max_model_len = args.max_model_len or self.model.max_position_embeddings
         if max_model_len > self.model.max_position_embeddings:

@@ -1,6 +1,8 @@
 """The ranks of a tensor-parallel engine: rank 0 is the engine's own process (scheduler,
 sampler, rank 0's share of the model); ranks 1..N-1 are worker processes it starts, each
-holding its share of the model and of the KV cache, on GPU `rank` (CUDA) or the CPU.
+holding its share of the model and of the KV cache, on GPU `rank` (CUDA) or the CPU. Every
+rank loads its share of the weights before the ranks join, so the workers' start (spawn,
+imports) overlaps rank 0's loading.
 
 Rank 0 tells the workers what to do, in the order it does the same itself, so every
 collective of the forward pass meets its peers: set up the per-step machinery (`RuntimeConfig`),
@@ -54,7 +56,7 @@ from pegainfer.core.errors import ConfigError, PegainferError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import KVCache
 from pegainfer.core.memory import KVSizing, fit_kv_blocks
-from pegainfer.core.model_line import ModelContext, RuntimeConfig
+from pegainfer.core.model_line import Model, ModelContext, RuntimeConfig
 from pegainfer.core.parallel import ParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -142,8 +144,9 @@ def _widen(outbox: Connection) -> None:
         logger.info("the tensor-parallel pipe keeps its default size: %s", exc)
 
 
-def _init(rank: int, world: int, store: dist.Store, device: torch.device) -> ParallelGroup:
-    """Join the forward's group: NCCL on GPUs, gloo on the CPU."""
+def _init(rank: int, world: int, store: dist.Store, device: torch.device) -> None:
+    """Join the forward's group (the default one, which `ParallelGroup` uses): NCCL on GPUs,
+    gloo on the CPU."""
     init = dict(store=store, rank=rank, world_size=world, timeout=collective_timeout())
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -151,7 +154,6 @@ def _init(rank: int, world: int, store: dist.Store, device: torch.device) -> Par
         dist.init_process_group("nccl", device_id=device, **init)
     else:
         dist.init_process_group("gloo", **init)
-    return ParallelGroup(rank, world, dist.group.WORLD)
 
 
 def _leave(seconds: float = 10.0) -> None:
@@ -184,14 +186,21 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connectio
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     threading.Thread(target=_exit_with_parent, daemon=True, name="pegainfer-tp-parent").start()
     device = rank_device(spec.device, rank)
-    if device.type == "cuda":  # a device that cannot start fails before the check-in
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.cuda.init()
+    # Load this rank's share while the others start: a failure here (or a device that cannot
+    # start) ends the worker before its check-in, which rank 0 sees at once.
+    from pegainfer.core.plugins import model_lines
+
+    line = next(line for line in model_lines() if line.name == spec.line)
+    context = ModelContext(spec.model_dir, spec.config, spec.dtype, device,
+                           ParallelGroup(rank, world))  # fmt: skip
+    model = line.build_model(context).eval()
     store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=collective_timeout())
     store.set(f"{_CHECK_IN}{rank}", "")
-    group = _init(rank, world, store, device)
+    _init(rank, world, store, device)
     try:
-        _serve(spec, device, group, inbox)
+        _serve(model, device, inbox)
     except BaseException:
         # Rank 0 died or a collective failed: exit at once, never waiting on peers that left.
         traceback.print_exc()
@@ -209,14 +218,8 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
 
-def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, inbox: Connection) -> None:
+def _serve(model: Model, device: torch.device, inbox: Connection) -> None:
     """Follow rank 0's messages until it sends None (EOFError if rank 0 is gone)."""
-    from pegainfer.core.plugins import model_lines
-
-    line = next(line for line in model_lines() if line.name == spec.line)
-    model = line.build_model(ModelContext(spec.model_dir, spec.config, spec.dtype, device,
-                                          group))  # fmt: skip
-    model.eval()
     cache: KVCache | None = None
     graphs: DecodeGraphs | None = None
     with torch.inference_mode():
@@ -248,39 +251,51 @@ def _serve(spec: WorkerSpec, device: torch.device, group: ParallelGroup, inbox: 
 
 
 class TensorParallelRanks:
-    """Rank 0's handle on the workers: start them, then have them follow rank 0's set-up and
-    steps (each call here comes right before rank 0 does the same)."""
+    """Rank 0's handle on the workers: start them (each loads its share of the weights while
+    rank 0 loads its own), join them (`join`), then have them follow rank 0's set-up and steps
+    (each call here comes right before rank 0 does the same)."""
 
     def __init__(self, world: int, spec: WorkerSpec) -> None:
-        timeout = collective_timeout()  # a bad PEGAINFER_TP_TIMEOUT_S fails before any worker
+        self._timeout = collective_timeout()  # a bad PEGAINFER_TP_TIMEOUT_S fails first
         keep_multicast_off()
         # Port 0: the store binds a free port itself and keeps it.
-        store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=timeout,
-                              wait_for_workers=False)  # fmt: skip
+        self._store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=self._timeout,
+                                    wait_for_workers=False)  # fmt: skip
         context = mp.get_context("spawn")
         self.workers: list[BaseProcess] = []
         self._outboxes: list[Connection] = []
         self.device = rank_device(spec.device, 0)
+        #: Rank 0's place; its collectives work once `join` has set up the default group.
+        self.group = ParallelGroup(0, world)
+        self._joined, self._open = False, True
+        self.failed: str | None = None
+        atexit.register(self.shutdown)
         try:
             for rank in range(1, world):
                 inbox, outbox = context.Pipe(duplex=False)
                 _widen(outbox)
                 self._outboxes.append(outbox)
                 self.workers.append(context.Process(
-                    target=_worker, args=(rank, world, store.port, spec, inbox), daemon=True,
+                    target=_worker, args=(rank, world, self._store.port, spec, inbox), daemon=True,
                     name=f"pegainfer-tp-rank{rank}",
                 ))  # fmt: skip
                 self.workers[-1].start()
                 inbox.close()  # the worker's end: writing to a dead worker then fails at once
-            self._await_check_in(store, timeout.total_seconds())
-            self.group = _init(0, world, store, self.device)
-        except BaseException:  # the workers would wait for rank 0 until their time limit
-            self._stop_workers(deadline=time.monotonic())
+        except BaseException:
+            self.shutdown()
             raise
-        self._open = True
-        self.failed: str | None = None
+
+    def join(self) -> None:
+        """Wait for every worker to check in (failing at once if one exits first), then join
+        the forward's group with them and start watching them."""
+        try:
+            self._await_check_in(self._store, self._timeout.total_seconds())
+            _init(0, self.group.world_size, self._store, self.device)
+        except BaseException:  # the workers would wait for rank 0 until their time limit
+            self.shutdown()
+            raise
+        self._joined = True
         threading.Thread(target=self._watch, daemon=True, name="pegainfer-tp-watch").start()
-        atexit.register(self.shutdown)
 
     def _await_check_in(self, store: dist.TCPStore, seconds: float) -> None:
         """Wait until every worker has reached the store, failing at once if one exits before
@@ -373,6 +388,9 @@ class TensorParallelRanks:
         if not self._open:
             return
         self._open = False
+        if not self._joined:  # nothing to leave: the workers are loading or waiting to join
+            self._stop_workers(deadline=time.monotonic())
+            return
         try:
             if self.failed is None and all(worker.is_alive() for worker in self.workers):
                 self._post(None)
