@@ -159,6 +159,28 @@ def test_workers_end_when_rank_0_is_killed(checkpoint, tmp_path):
     assert not Path(f"/proc/{worker}").exists()
 
 
+def test_workers_wait_for_a_rank_0_that_loads_for_longer_than_the_time_limit(
+    checkpoint, monkeypatch
+):
+    """A worker that has loaded waits for rank 0's go however long rank 0 still loads (past
+    the 2 s collective limit here): joining first, it would time out in the rendezvous."""
+    from pegainfer.models.qwen3.line import Qwen3Line
+
+    build = Qwen3Line.build_model
+
+    def slow(self, context):
+        time.sleep(5)
+        return build(self, context)
+
+    monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", "2")
+    monkeypatch.setattr(Qwen3Line, "build_model", slow)
+    engine = make_engine(checkpoint, tensor_parallel_size=2)
+    try:
+        assert generate(engine, prompts()[:1], greedy(3))
+    finally:
+        engine.shutdown()
+
+
 def test_workers_still_loading_stop_when_rank_0_fails_to_load(checkpoint, monkeypatch):
     """Workers load their shares while rank 0 loads its own; if rank 0's load fails, they are
     stopped, not left loading or waiting to join."""

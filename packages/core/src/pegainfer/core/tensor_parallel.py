@@ -67,8 +67,9 @@ TIMEOUT = timedelta(seconds=600)
 # NVLink multicast (NCCL's NVLS algorithms, torch's symmetric-memory multicast) can take a
 # host's GPUs down; off unless the user sets these themselves.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# The ranks meet at rank 0's store; each worker checks in there before it joins the groups.
-_HOST, _CHECK_IN, _CHECK_IN_POLL_S = "127.0.0.1", "pegainfer/check-in/", 0.05
+# The ranks meet at rank 0's store: each worker checks in there once loaded, then waits for
+# rank 0's go (set once rank 0 has loaded too and seen every worker alive) before joining.
+_HOST, _CHECK_IN, _GO, _POLL_S = "127.0.0.1", "pegainfer/check-in/", "pegainfer/go", 0.05
 _PIPE_BYTES = 1 << 20  # Linux's default limit for an unprivileged process
 
 
@@ -189,7 +190,7 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connectio
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # Load this rank's share while the others start: a failure here (or a device that cannot
-    # start) ends the worker before its check-in, which rank 0 sees at once.
+    # start) ends the worker before its check-in, which rank 0 reports when it joins.
     from pegainfer.core.plugins import model_lines
 
     line = next(line for line in model_lines() if line.name == spec.line)
@@ -198,6 +199,10 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connectio
     model = line.build_model(context).eval()
     store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=collective_timeout())
     store.set(f"{_CHECK_IN}{rank}", "")
+    # However long rank 0 still loads (the parent thread ends us if rank 0 goes): joining
+    # first would time out in the rendezvous and leave rank 0 in NCCL's set-up, unwatched.
+    while not store.check([_GO]):
+        time.sleep(_POLL_S)
     _init(rank, world, store, device)
     try:
         _serve(model, device, inbox)
@@ -290,6 +295,7 @@ class TensorParallelRanks:
         the forward's group with them and start watching them."""
         try:
             self._await_check_in(self._store, self._timeout.total_seconds())
+            self._store.set(_GO, "")
             _init(0, self.group.world_size, self._store, self.device)
         except BaseException:  # the workers would wait for rank 0 until their time limit
             self.shutdown()
@@ -303,16 +309,22 @@ class TensorParallelRanks:
         NCCL's set-up, which has no time limit, until the timeout)."""
         keys = [f"{_CHECK_IN}{rank}" for rank in range(1, len(self.workers) + 1)]
         deadline = time.monotonic() + seconds
-        while not store.check(keys):
+        while True:
+            checked_in = store.check(keys)
             for rank, worker in enumerate(self.workers, start=1):
                 if not worker.is_alive():
                     raise RankFailedError(
                         f"tensor-parallel rank {rank} exited (code {worker.exitcode}) before "
                         "joining; its output above says why"
                     )
+            if checked_in:
+                return
             if time.monotonic() > deadline:
-                raise RankFailedError(f"tensor-parallel workers did not start in {seconds:.0f} s")
-            time.sleep(_CHECK_IN_POLL_S)
+                raise RankFailedError(
+                    f"tensor-parallel workers did not load their weights and check in within "
+                    f"{seconds:.0f} s of rank 0 (PEGAINFER_TP_TIMEOUT_S)"
+                )
+            time.sleep(_POLL_S)
 
     def _watch(self) -> None:
         """When a worker dies mid-run, fail the engine at its next message and end the others:
