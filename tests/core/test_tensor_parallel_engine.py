@@ -35,17 +35,19 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize(("line", "async_scheduling"), [
     ("qwen3", False), ("qwen3", True), ("qwen35", False), ("qwen35", True), ("deepseek", False),
-    ("deepseek-q-lora", False),
+    ("deepseek-q-lora", False), ("deepseek-expert-parallel", True),
 ])  # fmt: skip
 def test_two_ranks_generate_what_one_does(checkpoint, tmp_path, line, async_scheduling):
     """Greedy answers with chunked prefill; Qwen3.5's recurrent state slots (each rank holds
     its heads' share of the state) follow rank 0's; DeepSeek's experts split over the ranks
-    too (with and without a q LoRA: the fused q/kv_a projection keeps a rank's q rows or all
-    q_a rows); under async scheduling the decode rows' ids reach the other rank from rank 0."""
+    too (each expert's width halved, with and without a q LoRA: the fused q/kv_a projection
+    keeps a rank's q rows or all q_a rows; or, expert parallel, the experts divided); under
+    async scheduling the decode rows' ids reach the other rank from rank 0."""
     from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
     from tests.qwen35.hf_reference import write_hf_checkpoint as write_qwen35
 
     lora = {"q_lora_rank": 24} if line == "deepseek-q-lora" else {}
+    experts = {"enable_expert_parallel": line == "deepseek-expert-parallel"}
     if line == "qwen3":
         path = checkpoint
     elif line == "qwen35":
@@ -54,7 +56,7 @@ def test_two_ranks_generate_what_one_does(checkpoint, tmp_path, line, async_sche
         path = write_deepseek(tmp_path / "deepseek", **lora)
     expected = generate(make_engine(path), prompts(), greedy(12))
     engine = make_engine(path, tensor_parallel_size=2, max_num_batched_tokens=24,
-                         async_scheduling=async_scheduling)  # fmt: skip
+                         async_scheduling=async_scheduling, **experts)  # fmt: skip
     try:
         assert generate(engine, prompts(), greedy(12)) == expected
     finally:
@@ -316,6 +318,11 @@ def test_a_dead_rank_fails_the_engine(checkpoint):
 def test_what_tensor_parallelism_does_not_cover_yet_is_refused(checkpoint):
     with pytest.raises(ConfigError, match="tensor parallelism"):
         make_engine(checkpoint, tensor_parallel_size=2, kv_offload=True)
+
+
+def test_expert_parallelism_is_refused_for_a_line_without_experts(checkpoint):
+    with pytest.raises(ConfigError, match="does not use these arguments: enable_expert_parallel"):
+        make_engine(checkpoint, tensor_parallel_size=2, enable_expert_parallel=True)
 
 
 @pytest.mark.parametrize(("device", "visible", "error"), [

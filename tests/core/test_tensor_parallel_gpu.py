@@ -63,15 +63,19 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize(("line", "async_scheduling"),
                          [("qwen3", False), ("qwen3", True), ("qwen35", False),
-                          ("deepseek", False)])  # fmt: skip
+                          ("deepseek", False), ("deepseek-expert-parallel", False)])  # fmt: skip
 def test_two_gpus_generate_what_one_does(checkpoints, line, async_scheduling):
-    path, vocab = checkpoints[line]
+    """DeepSeek with each routed expert's width split, or (expert parallel) the experts
+    divided between the GPUs."""
+    expert_parallel = line == "deepseek-expert-parallel"
+    path, vocab = checkpoints["deepseek" if expert_parallel else line]
     one = gpu_engine(path)
     expected = generate(one, prompts(vocab), greedy(24))
     del one
     gc.collect()
     torch.cuda.empty_cache()
-    two = gpu_engine(path, tensor_parallel_size=2, async_scheduling=async_scheduling)
+    two = gpu_engine(path, tensor_parallel_size=2, async_scheduling=async_scheduling,
+                     enable_expert_parallel=expert_parallel)  # fmt: skip
     try:
         assert two.graphs is not None  # decode steps replay graphs on both ranks
         assert generate(two, prompts(vocab), greedy(24)) == expected
@@ -137,15 +141,16 @@ def deltas(one: TokenLogprob, two: TokenLogprob) -> tuple[list[float], float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("line", ["qwen3-8b", "deepseek-v2-lite"])
+@pytest.mark.parametrize("line", ["qwen3-8b", "deepseek-v2-lite", "deepseek-v2-lite-ep"])
 def test_two_gpus_at_real_shapes_score_what_one_does(line, tmp_path_factory):
-    """Qwen3 split by tensor parallelism and DeepSeek with its experts split across the two
-    ranks: prompts of 20-700 tokens and one of 2,000 (chunked prefill), each scored at every
-    prompt position and over 24 greedy tokens (decode graphs), by one GPU and by two. Where
-    the two scored the same tokens, the gate's tolerances hold for |Δ logprob| over the top 8
-    and for the regret of two's choice under one's distribution; the generations may part only
-    at a near tie (regret within tolerance), after which they are not compared."""
-    path = real_shape_checkpoint(line, tmp_path_factory)
+    """Qwen3 split by tensor parallelism and DeepSeek with each routed expert's width split
+    (or, "-ep", the experts divided) across the two ranks: prompts of 20-700 tokens and one of
+    2,000 (chunked prefill), each scored at every prompt position and over 24 greedy tokens
+    (decode graphs), by one GPU and by two. Where the two scored the same tokens, the gate's
+    tolerances hold for |Δ logprob| over the top 8 and for the regret of two's choice under
+    one's distribution; the generations may part only at a near tie (regret within
+    tolerance), after which they are not compared."""
+    path = real_shape_checkpoint(line.removesuffix("-ep"), tmp_path_factory)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 100_000, (n,), generator=g).tolist()
                for n in (20, 77, 150, 301, 480, 700, 2000)]  # fmt: skip
@@ -157,7 +162,8 @@ def test_two_gpus_at_real_shapes_score_what_one_does(line, tmp_path_factory):
     del one
     gc.collect()
     torch.cuda.empty_cache()
-    two = gpu_engine(path, tensor_parallel_size=2, **options)
+    two = gpu_engine(path, tensor_parallel_size=2, enable_expert_parallel=line.endswith("-ep"),
+                     **options)  # fmt: skip
     try:
         assert two.graphs is not None
         got = scored(two, prompts, params)

@@ -1,6 +1,7 @@
 """Qwen3, Qwen3.5 and DeepSeek-V2 split over two gloo ranks (heads, KV heads, DeltaNet heads,
-MLP width and vocabulary halved, routed experts divided, weights sliced from the checkpoint at
-load) compute the single-process logits (float32)."""
+MLP width and vocabulary halved, each routed expert's width halved or, expert parallel, the
+routed experts divided, weights sliced from the checkpoint at load) compute the
+single-process logits (float32)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ from tests.paged_runner import PagedRunner, random_tokens
 from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
 from tests.qwen35.hf_reference import write_hf_checkpoint as write_qwen35_checkpoint
 
-LINES = {"qwen3": Qwen3Line, "qwen35": Qwen35Line, "deepseek": DeepseekLine}
+# "deepseek-ep": the routed experts divided between the ranks rather than split in width.
+LINES = {"qwen3": Qwen3Line, "qwen35": Qwen35Line, "deepseek": DeepseekLine,
+         "deepseek-ep": DeepseekLine}  # fmt: skip
 
 
 def steps(line: str, path: Path, group: ParallelGroup) -> list[torch.Tensor]:
     """A prefill, two decodes beside a second prompt's chunks: every step's logits."""
-    ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"), group)
+    ctx = ModelContext(path, read_config(path), torch.float32, torch.device("cpu"), group,
+                       expert_parallel=line.endswith("-ep"))  # fmt: skip
     model = LINES[line]().build_model(ctx)
     model.init_runtime(
         RuntimeConfig(block_size=4, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=16)
@@ -53,7 +57,7 @@ def _worker(rank: int, world: int, port: int, line: str, path: str, out: str) ->
 
 
 def write(line: str, path: Path, tie: bool) -> Path:
-    if line == "deepseek":
+    if line.startswith("deepseek"):
         return write_deepseek_checkpoint(path, tie_word_embeddings=tie)
     writer = write_hf_checkpoint if line == "qwen3" else write_qwen35_checkpoint
     return writer(path, tie=tie)

@@ -92,6 +92,12 @@ class EngineArgs:
         "Processes (one per device) that each hold a share of the model's heads, MLP width and "
         "vocabulary: GPUs 0..N-1 of those visible (NCCL), or CPU processes (gloo).",
     )
+    enable_expert_parallel: bool = _arg(
+        False,
+        "MoE lines under tensor parallelism: divide the routed experts between the ranks "
+        "(each holds whole experts) instead of splitting every expert's width across them.",
+        "--enable-expert-parallel",
+    )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
 
     def validate(self) -> EngineArgs:

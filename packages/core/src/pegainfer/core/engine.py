@@ -145,7 +145,8 @@ class EngineCore:
         group = ParallelGroup()
         if args.tensor_parallel_size > 1:
             self._check_tensor_parallel(args, device)
-            spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device))
+            spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device),
+                              args.enable_expert_parallel)  # fmt: skip
             self.ranks = TensorParallelRanks(args.tensor_parallel_size, spec)
             group = self.ranks.group
         try:
@@ -166,7 +167,8 @@ class EngineCore:
         group: ParallelGroup,
     ) -> None:
         """Everything after the ranks start: the model, its cache and graphs, the scheduler."""
-        self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device, group))
+        self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device, group,
+                                                   args.enable_expert_parallel))  # fmt: skip
         self.model.eval()
         if self.ranks is not None:  # the workers loaded their shares meanwhile
             self.ranks.join()

@@ -41,13 +41,15 @@ class Probe:
 @dataclass(frozen=True)
 class ModelContext:
     """What a line needs to build its model; `parallel` is this process's tensor-parallel
-    rank (the default: one process holding every weight)."""
+    rank (the default: one process holding every weight); `expert_parallel`: a MoE line
+    divides its routed experts between the ranks instead of splitting each one's width."""
 
     model_dir: Path
     config: dict[str, Any]
     dtype: torch.dtype
     device: torch.device
     parallel: ParallelGroup = field(default_factory=ParallelGroup)
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ class WorkerSpec:
     config: dict[str, Any]
     dtype: torch.dtype
     device: str
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connectio
 
     line = next(line for line in model_lines() if line.name == spec.line)
     context = ModelContext(spec.model_dir, spec.config, spec.dtype, device,
-                           ParallelGroup(rank, world))  # fmt: skip
+                           ParallelGroup(rank, world), spec.expert_parallel)  # fmt: skip
     model = line.build_model(context).eval()
     store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=collective_timeout())
     store.set(f"{_CHECK_IN}{rank}", "")

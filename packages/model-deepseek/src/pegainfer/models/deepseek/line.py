@@ -24,7 +24,9 @@ class DeepseekLine(ModelLine):
         from pegainfer.models.deepseek.model import DeepseekV2ForCausalLM
 
         cfg = DeepseekConfig.from_dict(ctx.config)
-        return build_and_load(lambda: DeepseekV2ForCausalLM(cfg, ctx.parallel), ctx)
+        return build_and_load(
+            lambda: DeepseekV2ForCausalLM(cfg, ctx.parallel, ctx.expert_parallel), ctx
+        )
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any

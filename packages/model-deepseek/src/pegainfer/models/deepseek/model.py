@@ -106,11 +106,16 @@ class RoutedExperts(nn.Module):
     """This rank's routed experts, `first`.. `first + count - 1`, stacked: `gate_up_proj`
     holds expert i's fused gate/up rows at [i * 2I, (i + 1) * 2I), `down_proj` its down rows
     at [i * H, (i + 1) * H) (2-D, so the loader fills each expert's rows like any fused
-    matrix's; `stacked()` gives the [experts, ...] views the MoE ops read)."""
+    matrix's; `stacked()` gives the [experts, ...] views the MoE ops read). `width`: the
+    [start, end) of each expert's intermediate features held here (None: all of them)."""
 
-    def __init__(self, hidden: int, inter: int, count: int, first: int) -> None:
+    def __init__(
+        self, hidden: int, inter: int, count: int, first: int,
+        width: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.hidden, self.inter, self.count, self.first = hidden, inter, count, first
+        self.width = width
         self.gate_up_proj = empty_param(count * 2 * inter, hidden)
         self.down_proj = empty_param(count * hidden, inter)
 
@@ -121,17 +126,25 @@ class RoutedExperts(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts beside always-on shared ones; this rank holds a range of the routed
-    ones and its share of the shared ones' width."""
+    """Routed experts beside always-on shared ones. Under tensor parallelism a rank holds its
+    share of every routed expert's width (the default: every rank reads a share of each
+    chosen expert) or, with `expert_parallel`, a range of whole experts; and its share of the
+    shared ones' width. Either way every rank routes every token and one all-reduce sums."""
 
-    def __init__(self, cfg: DeepseekConfig, group: parallel.ParallelGroup) -> None:
+    def __init__(
+        self, cfg: DeepseekConfig, group: parallel.ParallelGroup, expert_parallel: bool
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.group = group
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        local = cfg.num_experts // group.world_size
         self.gate = empty_param(cfg.num_experts, h)
-        self.experts = RoutedExperts(h, inter, local, group.rank * local)
+        if expert_parallel:
+            local = cfg.num_experts // group.world_size
+            self.experts = RoutedExperts(h, inter, local, group.rank * local)
+        else:
+            width = group.split(inter)
+            self.experts = RoutedExperts(h, width[1] - width[0], cfg.num_experts, 0, width)
         self.shared_experts = Expert(h, inter * cfg.num_shared_experts // group.world_size)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,30 +189,40 @@ class DenseMLP(Expert):
 
 
 class DeepseekLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, index: int, group: parallel.ParallelGroup) -> None:
+    def __init__(
+        self, cfg: DeepseekConfig, index: int, group: parallel.ParallelGroup,
+        expert_parallel: bool,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = empty_param(cfg.hidden_size)
         self.post_attention_layernorm = empty_param(cfg.hidden_size)
         self.self_attn = LatentAttention(cfg, group)
         if cfg.is_moe(index):
-            self.mlp: nn.Module = Experts(cfg, group)
+            self.mlp: nn.Module = Experts(cfg, group, expert_parallel)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, group)
 
 
 class DeepseekV2ForCausalLM(Model):
-    def __init__(self, cfg: DeepseekConfig, group: parallel.ParallelGroup | None = None) -> None:
+    def __init__(
+        self, cfg: DeepseekConfig, group: parallel.ParallelGroup | None = None,
+        expert_parallel: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.group = group = group or parallel.ParallelGroup()
         self.full_cfg = cfg
         shared_width = cfg.moe_intermediate_size * cfg.num_shared_experts
+        # Routed experts split by count (expert parallel) or each by width.
+        routed = ({"num_experts": cfg.num_experts} if expert_parallel
+                  else {"moe_intermediate_size": cfg.moe_intermediate_size})  # fmt: skip
         self.cfg = cfg = parallel.shard_config(
-            cfg, group, ("num_heads", "intermediate_size"), num_experts=cfg.num_experts,
+            cfg, group, ("num_heads", "intermediate_size"), **routed,
             shared_experts_width=shared_width, vocab_size=cfg.vocab_size,
         )  # fmt: skip
         vocab_rows = cfg.vocab_size // group.world_size
         self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, group) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, group, expert_parallel)
+                                    for i in range(cfg.num_layers))  # fmt: skip
         self.norm = empty_param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
         self.rope: ops.InterleavedRope | None = None
@@ -273,10 +296,10 @@ class DeepseekV2ForCausalLM(Model):
             stacked = ".".join(parts[:4])
             if leaf == "down_proj":
                 h = cfg.hidden_size
-                return WeightTarget(f"{stacked}.down_proj", local * h, h)
-            inter = cfg.moe_intermediate_size
+                return WeightTarget(f"{stacked}.down_proj", local * h, h, cols=experts.width)
+            inter = experts.inter
             offset = local * 2 * inter + (0 if leaf == "gate_proj" else inter)
-            return WeightTarget(f"{stacked}.gate_up_proj", offset, inter)
+            return WeightTarget(f"{stacked}.gate_up_proj", offset, inter, rows=experts.width)
         if module.endswith("shared_experts"):
             inter = cfg.moe_intermediate_size * cfg.num_shared_experts // self.group.world_size
             split = mine(inter)

@@ -14,7 +14,8 @@ class Qwen3Line(ModelLine):
     name = "qwen3"
     reasoning_parser = "qwen3"  # <think>…</think>
     tool_call_parser = "hermes"
-    unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
+    # No recurrent layers, no experts.
+    unsupported_args = frozenset({"state_checkpoints", "enable_expert_parallel"})
 
     def probe(self, config: dict[str, Any]) -> Probe:
         model_type = config.get("model_type")
