@@ -309,6 +309,10 @@ def main() -> None:
         help="ranks on GPUs 0..N-1; weight and KV bytes (the HBM limit) are one rank's",
     )  # fmt: skip
     parser.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="MoE lines under tensor parallelism: whole experts divided between the ranks",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-offload-gib", type=float, default=0.0,
         help="an engine with a host tier this large and no device prefix cache: the "
         "--prefix-hit lengths are then restores from host memory",
@@ -350,6 +354,7 @@ def main() -> None:
             enable_prefix_caching=not args.kv_offload_gib,
             kv_offload=bool(args.kv_offload_gib), kv_offload_gib=args.kv_offload_gib or 16.0,
             async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
         ))  # fmt: skip
         load_s = time.perf_counter() - started
 
@@ -436,6 +441,7 @@ def main() -> None:
         "engine_load_s": load_s,
         "num_kv_blocks": engine.config.num_kv_blocks, "async_scheduling": args.async_scheduling,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "constrained_fractions": args.constrained,
         "decode": decode, "prefill": prefill,
         "prefix_hit": prefix_hit,

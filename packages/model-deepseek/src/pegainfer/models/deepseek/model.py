@@ -2,9 +2,10 @@
 (the first `first_k_dense_replace` layers) or routed plus shared experts.
 
 Under tensor parallelism (`core.parallel`) each rank holds its share of the attention heads,
-of the dense and shared MLPs' width and of the vocabulary, and a range of the routed experts
-(expert parallelism: every rank routes every token, computes its experts' terms, and one
-all-reduce sums routed and shared outputs); the latent cache is whole on every rank.
+of the dense and shared MLPs' width and of the vocabulary, and its share of every routed
+expert's width or, with expert parallelism (`ModelContext.expert_parallel`), a range of whole
+routed experts. Either way every rank routes every token, computes its terms, and one
+all-reduce sums routed and shared outputs; the latent cache is whole on every rank.
 
 Each cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per
 layer) and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA
