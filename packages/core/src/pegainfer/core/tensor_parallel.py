@@ -295,7 +295,7 @@ class TensorParallelRanks:
         """Wait for every worker to check in (failing at once if one exits first), then join
         the forward's group with them and start watching them."""
         try:
-            self._await_check_in(self._store, self._timeout.total_seconds())
+            self._await_check_in()
             self._store.set(_GO, "")
             _init(0, self.group.world_size, self._store, self.device)
         except BaseException:  # the workers would wait for rank 0 until their time limit
@@ -304,14 +304,15 @@ class TensorParallelRanks:
         self._joined = True
         threading.Thread(target=self._watch, daemon=True, name="pegainfer-tp-watch").start()
 
-    def _await_check_in(self, store: dist.TCPStore, seconds: float) -> None:
-        """Wait until every worker has reached the store, failing at once if one exits before
-        (a worker that cannot start would otherwise leave rank 0 in the rendezvous, or in
-        NCCL's set-up, which has no time limit, until the timeout)."""
+    def _await_check_in(self) -> None:
+        """Wait until every worker has loaded and reached the store, failing at once if one
+        exits before (a worker that cannot start or load would otherwise leave rank 0 in the
+        rendezvous, or in NCCL's set-up, which has no time limit, until the timeout)."""
         keys = [f"{_CHECK_IN}{rank}" for rank in range(1, len(self.workers) + 1)]
+        seconds = self._timeout.total_seconds()
         deadline = time.monotonic() + seconds
         while True:
-            checked_in = store.check(keys)
+            checked_in = self._store.check(keys)
             for rank, worker in enumerate(self.workers, start=1):
                 if not worker.is_alive():
                     raise RankFailedError(
