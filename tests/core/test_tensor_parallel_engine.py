@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pegainfer.core.errors import ConfigError
+from pegainfer.core.sampling_params import SamplingParams
 from pegainfer.core.tensor_parallel import RankFailedError, TensorParallelRanks, WorkerSpec
 from tests.engine_harness import drain, generate, greedy, make_engine, submit
 from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
@@ -59,6 +60,59 @@ def test_two_ranks_generate_what_one_does(checkpoint, tmp_path, line, async_sche
                          async_scheduling=async_scheduling, **experts)  # fmt: skip
     try:
         assert generate(engine, prompts(), greedy(12)) == expected
+    finally:
+        engine.shutdown()
+
+
+def scored_outputs(engine, prompts: list[list[int]], params: SamplingParams) -> list[list]:
+    """Each request's outputs in order: (tokens, logprobs, prompt logprobs)."""
+    for i, prompt in enumerate(prompts):
+        submit(engine, str(i), prompt, params)
+    found: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            found[out.request_id].append((out.new_token_ids, out.logprobs, out.prompt_logprobs))
+    return [found[str(i)] for i in range(len(prompts))]
+
+
+def assert_scores_close(got: list, expected: list) -> None:
+    for outputs, wanted in zip(got, expected, strict=True):
+        assert [o[0] for o in outputs] == [w[0] for w in wanted]
+        for (_, logprobs, prompt), (_, want_logprobs, want_prompt) in zip(
+            outputs, wanted, strict=True
+        ):
+            for a, b in zip((logprobs or []) + (prompt or []),
+                            (want_logprobs or []) + (want_prompt or []), strict=True):  # fmt: skip
+                assert (a.token_id, a.rank) == (b.token_id, b.rank)
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.mark.parametrize("lora", [{}, {"q_lora_rank": 24}], ids=["q", "q-lora"])
+def test_two_attention_ranks_generate_what_one_does(tmp_path, lora):
+    """DeepSeek with data-parallel attention: the three requests spread over two ranks (two
+    on rank 0), prompts chunked over steps where the other rank decodes or idles (its dummy
+    token still joins the experts' all-to-all), each MoE layer's tokens exchanged with the
+    experts' rank; greedy tokens, their logprobs and the prompts' equal one process's."""
+    from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
+
+    path = write_deepseek(tmp_path / "deepseek", **lora)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)  # fmt: skip
+    expected = scored_outputs(make_engine(path), prompts(), params)
+    engine = make_engine(path, data_parallel_size=2, enable_expert_parallel=True,
+                         max_num_batched_tokens=24)  # fmt: skip
+    try:
+        assert_scores_close(scored_outputs(engine, prompts(), params), expected)
+        # "late" on rank 0, "gone" on rank 1, aborted mid-prompt: rank 1 then idles.
+        submit(engine, "late", prompts()[1], greedy(12))
+        submit(engine, "gone", prompts()[2], greedy(12))
+        first = engine.step()
+        assert engine.stats().num_running == 2 and engine.stats().kv_cache_usage > 0
+        assert [o.request_id for o in engine.abort(["gone"])] == ["gone"]
+        late = [t for o in first if o.request_id == "late" for t in o.new_token_ids]
+        assert late + drain(engine)["late"] == [t for o in expected[1] for t in o[0]]
+        assert engine.stats().num_running == 0
     finally:
         engine.shutdown()
 
@@ -316,13 +370,27 @@ def test_a_dead_rank_fails_the_engine(checkpoint):
 
 
 def test_what_tensor_parallelism_does_not_cover_yet_is_refused(checkpoint):
-    with pytest.raises(ConfigError, match="tensor parallelism"):
+    with pytest.raises(ConfigError, match="--kv-offload does not work with parallel ranks"):
         make_engine(checkpoint, tensor_parallel_size=2, kv_offload=True)
 
 
 def test_expert_parallelism_is_refused_for_a_line_without_experts(checkpoint):
     with pytest.raises(ConfigError, match="does not use these arguments: enable_expert_parallel"):
         make_engine(checkpoint, tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ConfigError, match="data_parallel_size, enable_expert_parallel"):
+        make_engine(checkpoint, data_parallel_size=2, enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    ({}, "needs --enable-expert-parallel"),
+    ({"enable_expert_parallel": True, "tensor_parallel_size": 2}, "not supported yet"),
+    ({"enable_expert_parallel": True, "async_scheduling": True}, "--async-scheduling"),
+])  # fmt: skip
+def test_what_data_parallel_attention_does_not_cover_is_refused(args, error):
+    from pegainfer.core.args import EngineArgs
+
+    with pytest.raises(ConfigError, match=error):
+        EngineArgs(model="x", data_parallel_size=2, **args).validate()
 
 
 @pytest.mark.parametrize(("device", "visible", "error"), [
@@ -338,7 +406,7 @@ def test_the_gpus_for_tensor_parallelism_are_checked(monkeypatch, device, visibl
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     args = EngineArgs(model="unused", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match=error):
-        EngineCore._check_tensor_parallel(args, torch.device(device))
+        EngineCore._check_parallel(args, torch.device(device), 2)
 
 
 def test_nvlink_multicast_stays_off_unless_the_user_says_otherwise(monkeypatch):

@@ -70,21 +70,29 @@ def checkpoints(tmp_path_factory):
             "deepseek": (deepseek, LITE_GEOMETRY["vocab_size"])}  # fmt: skip
 
 
-@pytest.mark.parametrize(("line", "async_scheduling"),
-                         [("qwen3", False), ("qwen3", True), ("qwen35", False),
-                          ("deepseek", False), ("deepseek-expert-parallel", False)])  # fmt: skip
-def test_two_gpus_generate_what_one_does(checkpoints, line, async_scheduling):
-    """DeepSeek with each routed expert's width split, or (expert parallel) the experts
-    divided between the GPUs."""
-    expert_parallel = line == "deepseek-expert-parallel"
-    path, vocab = checkpoints["deepseek" if expert_parallel else line]
+# How each case spreads the model over the two GPUs.
+LAYOUTS = {
+    "tensor": {"tensor_parallel_size": 2},
+    "expert": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "data": {"data_parallel_size": 2, "enable_expert_parallel": True},
+}
+
+
+@pytest.mark.parametrize(("line", "layout", "async_scheduling"),
+                         [("qwen3", "tensor", False), ("qwen3", "tensor", True),
+                          ("qwen35", "tensor", False), ("deepseek", "tensor", False),
+                          ("deepseek", "expert", False), ("deepseek", "data", False)])  # fmt: skip
+def test_two_gpus_generate_what_one_does(checkpoints, line, layout, async_scheduling):
+    """DeepSeek with each routed expert's width split, the experts divided between the GPUs
+    (expert parallel), or attention data-parallel (each GPU its own requests, tokens sent to
+    their experts' GPU by all-to-all)."""
+    path, vocab = checkpoints[line]
     one = gpu_engine(path)
     expected = generate(one, prompts(vocab), greedy(24))
     del one
     gc.collect()
     torch.cuda.empty_cache()
-    two = gpu_engine(path, tensor_parallel_size=2, async_scheduling=async_scheduling,
-                     enable_expert_parallel=expert_parallel)  # fmt: skip
+    two = gpu_engine(path, async_scheduling=async_scheduling, **LAYOUTS[layout])
     try:
         assert two.graphs is not None  # decode steps replay graphs on both ranks
         assert generate(two, prompts(vocab), greedy(24)) == expected
@@ -150,16 +158,19 @@ def deltas(one: TokenLogprob, two: TokenLogprob) -> tuple[list[float], float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("line", ["qwen3-8b", "deepseek-v2-lite", "deepseek-v2-lite-ep"])
-def test_two_gpus_at_real_shapes_score_what_one_does(line, tmp_path_factory):
-    """Qwen3 split by tensor parallelism and DeepSeek with each routed expert's width split
-    (or, "-ep", the experts divided) across the two ranks: prompts of 20-700 tokens and one of
-    2,000 (chunked prefill), each scored at every prompt position and over 24 greedy tokens
+@pytest.mark.parametrize(("line", "layout"), [
+    ("qwen3-8b", "tensor"), ("deepseek-v2-lite", "tensor"), ("deepseek-v2-lite", "expert"),
+    ("deepseek-v2-lite", "data"),
+])  # fmt: skip
+def test_two_gpus_at_real_shapes_score_what_one_does(line, layout, tmp_path_factory):
+    """Qwen3 split by tensor parallelism and DeepSeek with each routed expert's width split,
+    the experts divided, or attention data-parallel (`LAYOUTS`): prompts of 20-700 tokens and
+    one of 2,000 (chunked prefill), each scored at every prompt position and over 24 greedy tokens
     (decode graphs), by one GPU and by two. Where the two scored the same tokens, the gate's
     tolerances hold for |Δ logprob| over the top 8 and for the regret of two's choice under
     one's distribution; the generations may part only at a near tie (regret within
     tolerance), after which they are not compared."""
-    path = real_shape_checkpoint(line.removesuffix("-ep"), tmp_path_factory)
+    path = real_shape_checkpoint(line, tmp_path_factory)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 100_000, (n,), generator=g).tolist()
                for n in (20, 77, 150, 301, 480, 700, 2000)]  # fmt: skip
@@ -171,8 +182,7 @@ def test_two_gpus_at_real_shapes_score_what_one_does(line, tmp_path_factory):
     del one
     gc.collect()
     torch.cuda.empty_cache()
-    two = gpu_engine(path, tensor_parallel_size=2, enable_expert_parallel=line.endswith("-ep"),
-                     **options)  # fmt: skip
+    two = gpu_engine(path, **LAYOUTS[layout], **options)
     try:
         assert two.graphs is not None
         got = scored(two, prompts, params)
@@ -195,7 +205,7 @@ def test_two_gpus_at_real_shapes_score_what_one_does(line, tmp_path_factory):
     summary = {"positions": len(regrets), "identical_generations": identical,
                "max_regret": max(regrets), "mean_abs_delta": found_t.mean().item(),
                "p99_abs_delta": found_t.quantile(0.99).item()}  # fmt: skip
-    print(line, summary)
+    print(line, layout, summary)
     assert summary["max_regret"] <= REGRET_TOL, summary
     assert summary["mean_abs_delta"] <= MEAN_TOL, summary
     assert summary["p99_abs_delta"] <= P99_TOL, summary

@@ -94,9 +94,16 @@ class EngineArgs:
     )
     enable_expert_parallel: bool = _arg(
         False,
-        "MoE lines under tensor parallelism: divide the routed experts between the ranks "
-        "(each holds whole experts) instead of splitting every expert's width across them.",
+        "MoE lines: divide the routed experts between the ranks (each holds whole experts) "
+        "instead of splitting every expert's width across them.",
         "--enable-expert-parallel",
+    )
+    data_parallel_size: int = _arg(
+        1,
+        "MoE lines, with --enable-expert-parallel: attention ranks (one process per device) "
+        "that each serve their own requests from their own KV cache, holding every weight but "
+        "the routed experts, which are divided between them; each MoE layer sends tokens to "
+        "their experts' ranks and back (all-to-all).",
     )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
 
@@ -115,8 +122,20 @@ class EngineArgs:
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                     "tensor_parallel_size"):  # fmt: skip
+                     "tensor_parallel_size", "data_parallel_size"):  # fmt: skip
             positive(name)
+        if self.data_parallel_size > 1:
+            if not self.enable_expert_parallel:
+                raise ConfigError(
+                    "--data-parallel-size needs --enable-expert-parallel: the attention ranks "
+                    "divide the routed experts between them"
+                )
+            if self.tensor_parallel_size > 1:
+                raise ConfigError(
+                    "--data-parallel-size with --tensor-parallel-size is not supported yet"
+                )
+            if self.async_scheduling:
+                raise ConfigError("--async-scheduling does not work with --data-parallel-size yet")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"block_size must be a power of two up to 256, got {self.block_size}")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):

@@ -7,6 +7,10 @@ dummy block, its attention is planned outside the graph, and the graph is replay
 
 Models with recurrent state read and write each row's state slot in place; padding rows use a
 reserved dummy slot, and steps where a state starts or is checkpointed run eagerly.
+
+With data-parallel attention every rank replays the bucket rank 0 chose for the step (the
+ranks' collectives must match) and the forward returns every rank's `bucket` rows of logits,
+of which a step keeps each rank's real ones.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         dummy_slot: int | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -53,15 +58,24 @@ class DecodeGraphs:
         self._pad = torch.tensor([0, 0, dummy_block * block_size, dummy_slot or 0], device=device)
         self._inputs.copy_(self._pad[:, None].expand(-1, largest))
         self._rows = torch.arange(largest, device=device)
-        self._logits = torch.empty(largest, model.vocab_size, dtype=torch.float32, device=device)
+        self._logits = torch.empty(
+            data_parallel_size * largest, model.vocab_size, dtype=torch.float32, device=device
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 
+    def bucket_for(self, num_seqs: int) -> int:
+        """The smallest bucket that holds `num_seqs` rows (at most `max_batch`)."""
+        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Pure decode, every row sampling, within the largest bucket, no state starting."""
+        """Pure decode, every row sampling, within the largest bucket, no state starting (with
+        data-parallel attention: on every rank, as rank 0 decided)."""
+        if batch.data_parallel is not None:
+            return batch.data_parallel.bucket is not None
         n = batch.num_seqs
         return (
             batch.is_decode
@@ -78,16 +92,18 @@ class DecodeGraphs:
             self.model(batch, self.kv_cache)  # warm-up: compiles kernels, settles allocations
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[:bucket].copy_(self.model(batch, self.kv_cache))
+                logits = self.model(batch, self.kv_cache)
+                self._logits[: logits.shape[0]].copy_(logits)
             pool = graph.pool()
             self._graphs[bucket] = graph
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", list(self.buckets))
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of a pure-decode batch, by replaying its bucket's graph."""
-        n = batch.num_seqs
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        """Logits [num_seqs, vocab] of a pure-decode batch, by replaying its bucket's graph
+        (with data-parallel attention: every rank's rows, in rank order)."""
+        n, counts = batch.num_seqs, batch.data_parallel
+        bucket = self.bucket_for(n) if counts is None else counts.bucket
         self._inputs[0, :n].copy_(batch.input_ids)
         self._inputs[1, :n].copy_(batch.positions)
         self._inputs[2, :n].copy_(batch.slot_mapping)
@@ -100,7 +116,10 @@ class DecodeGraphs:
         )
         self.model.prepare_graph(padded, bucket)
         self._graphs[bucket].replay()
-        return self._logits[:n]
+        if counts is None:
+            return self._logits[:n]
+        keep = [rank * bucket + row for rank, rows in enumerate(counts.rows) for row in range(rows)]
+        return self._logits[torch.tensor(keep, device=self._logits.device)]
 
     def _padded(
         self,

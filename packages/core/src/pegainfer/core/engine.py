@@ -17,6 +17,7 @@ import torch
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.cuda_graphs import DecodeGraphs, graph_buckets
+from pegainfer.core.data_parallel import DataParallelScheduler, rank_plans
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import (
@@ -31,11 +32,10 @@ from pegainfer.core.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
-from pegainfer.core.parallel import ParallelGroup
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
 from pegainfer.core.sampler import ScoredTokens, sample_requests
-from pegainfer.core.scheduler import SchedulerConfig, SchedulerStep
+from pegainfer.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStep
 from pegainfer.core.structured_output import Grammars
 from pegainfer.core.tensor_parallel import (
     CacheShape,
@@ -142,33 +142,25 @@ class EngineCore:
             "Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype
         )
         self.ranks: TensorParallelRanks | None = None
-        group = ParallelGroup()
-        if args.tensor_parallel_size > 1:
-            self._check_tensor_parallel(args, device)
-            spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device),
-                              args.enable_expert_parallel)  # fmt: skip
-            self.ranks = TensorParallelRanks(args.tensor_parallel_size, spec)
-            group = self.ranks.group
+        spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device),
+                          args.enable_expert_parallel, args.data_parallel_size > 1)  # fmt: skip
+        world = args.tensor_parallel_size * args.data_parallel_size
+        if world > 1:
+            self._check_parallel(args, device, world)
+            self.ranks = TensorParallelRanks(world, spec)
         try:
-            self._set_up(args, line, model_dir, tokenizer_dir, model_config, device, dtype, group)
+            self._set_up(args, line, tokenizer_dir, spec.context(device, 0, world))
         except BaseException:
             self.shutdown()  # the workers and their process group end with the failed engine
             raise
 
     def _set_up(
-        self,
-        args: EngineArgs,
-        line: ModelLine,
-        model_dir: Path,
-        tokenizer_dir: Path,
-        model_config: dict[str, Any],
-        device: torch.device,
-        dtype: torch.dtype,
-        group: ParallelGroup,
+        self, args: EngineArgs, line: ModelLine, tokenizer_dir: Path, context: ModelContext
     ) -> None:
-        """Everything after the ranks start: the model, its cache and graphs, the scheduler."""
-        self.model = line.build_model(ModelContext(model_dir, model_config, dtype, device, group,
-                                                   args.enable_expert_parallel))  # fmt: skip
+        """Everything after the ranks start: the model (rank 0's share: `context`), its cache
+        and graphs, the scheduler."""
+        model_dir, device = context.model_dir, context.device
+        self.model = line.build_model(context)
         self.model.eval()
         if self.ranks is not None:  # the workers loaded their shares meanwhile
             self.ranks.join()
@@ -219,11 +211,14 @@ class EngineCore:
                 f"one sequence of max_model_len {max_model_len} needs; lower max_model_len or "
                 "give the cache more memory"
             )
-        # On CUDA one more block than the block manager hands out: padding rows of graph
-        # replays read and write it.
-        self.kv_cache = KVCache(specs, num_blocks + int(cuda), device, states, num_slots)
+        # On CUDA (and with data-parallel attention) one more block than the block manager
+        # hands out: padding rows of graph replays (and idle ranks' dummy tokens) read and
+        # write it.
+        self.data_parallel_size = args.data_parallel_size
+        dummy = int(cuda or self.data_parallel_size > 1)
+        self.kv_cache = KVCache(specs, num_blocks + dummy, device, states, num_slots)
         if self.ranks is not None:
-            self.ranks.share(CacheShape(args.block_size, num_blocks + int(cuda), num_slots))
+            self.ranks.share(CacheShape(args.block_size, num_blocks + dummy, num_slots))
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)%s",
             num_blocks,
@@ -236,23 +231,20 @@ class EngineCore:
         )
         self.graphs: DecodeGraphs | None = None
         if buckets:
-            graph_spec = GraphSpec(
-                buckets, num_blocks, args.block_size, num_slots - 1 if states else None
-            )
+            graph_spec = GraphSpec(buckets, num_blocks, args.block_size,
+                                   num_slots - 1 if states else None,
+                                   self.data_parallel_size)  # fmt: skip
             if self.ranks is not None:
                 self.ranks.capture_graphs(graph_spec)
-            self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, graph_spec.buckets, graph_spec.dummy_block,
-                graph_spec.block_size, device, graph_spec.dummy_slot,
-            )  # fmt: skip
+            self.graphs = graph_spec.graphs(self.model, self.kv_cache, device)
             self.graphs.capture()
         self.config = EngineConfig(
             model_dir=model_dir,
             tokenizer_dir=tokenizer_dir,
-            model_config=model_config,
+            model_config=context.config,
             line=line.name,
             device=device,
-            dtype=dtype,
+            dtype=context.dtype,
             max_model_len=max_model_len,
             block_size=args.block_size,
             num_kv_blocks=num_blocks,
@@ -264,12 +256,6 @@ class EngineCore:
         self._landing: dict[int, Request] = {}  # device block -> the request restoring it
         if args.kv_offload:
             self.offload = self._host_tier(args, specs, states, checkpoints, device)
-        self.block_manager = BlockManager(
-            num_blocks,
-            args.block_size,
-            prefix_caching,
-            hash_blocks=prefix_caching or args.kv_offload,
-        )
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -277,7 +263,21 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill,
             num_state_checkpoints=checkpoints,
         )
-        self.scheduler = line.scheduler_class()(scheduler_config, self.block_manager, self.offload)
+        # One per attention rank (data-parallel attention: each rank has its own cache).
+        hash_blocks = prefix_caching or args.kv_offload
+        schedulers = [
+            line.scheduler_class()(
+                scheduler_config,
+                BlockManager(num_blocks, args.block_size, prefix_caching, hash_blocks=hash_blocks),
+                self.offload,
+            )
+            for _ in range(self.data_parallel_size)
+        ]
+        #: Rank 0's (the only one but with data-parallel attention: `scheduler.ranks`).
+        self.block_manager = schedulers[0].blocks
+        self.scheduler: Scheduler | DataParallelScheduler = schedulers[0]
+        if self.data_parallel_size > 1:
+            self.scheduler = DataParallelScheduler(schedulers)
         self.generator = torch.Generator(device).manual_seed(args.seed)
         self.requests: dict[str, Request] = {}
         self.async_scheduling = args.async_scheduling
@@ -317,26 +317,25 @@ class EngineCore:
         return tier
 
     @staticmethod
-    def _check_tensor_parallel(args: EngineArgs, device: torch.device) -> None:
-        world = args.tensor_parallel_size
+    def _check_parallel(args: EngineArgs, device: torch.device, world: int) -> None:
+        sizes = "--tensor-parallel-size x --data-parallel-size"
         if device.type == "cuda":
             if device.index not in (None, 0):
                 raise ConfigError(
-                    "tensor parallelism runs on the first --tensor-parallel-size visible GPUs: "
-                    "pick them with CUDA_VISIBLE_DEVICES rather than --device"
+                    f"parallel ranks run on the first {sizes} visible GPUs: pick them with "
+                    "CUDA_VISIBLE_DEVICES rather than --device"
                 )
             if torch.cuda.device_count() < world:
                 raise ConfigError(
-                    f"--tensor-parallel-size {world} needs {world} GPUs; "
-                    f"visible: {torch.cuda.device_count()}"
+                    f"{sizes} = {world} needs {world} GPUs; visible: {torch.cuda.device_count()}"
                 )
         elif device.type != "cpu":
-            raise ConfigError(f"tensor parallelism runs on CUDA or the CPU, not {device.type}")
+            raise ConfigError(f"parallel ranks run on CUDA or the CPU, not {device.type}")
         if args.kv_offload:
-            raise ConfigError("--kv-offload does not work with tensor parallelism yet")
+            raise ConfigError("--kv-offload does not work with parallel ranks yet")
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine is unusable afterwards)."""
+        """Stop the parallel workers, if any (the engine is unusable afterwards)."""
         if self.ranks is None:
             return
         # Graphs hold captured collectives: they go before the communicator does.
@@ -463,7 +462,7 @@ class EngineCore:
     def _launch(self, step: SchedulerStep) -> _Launched:
         """Queue the step's forward and sampling on the device; nothing waits for the GPU."""
         fed = self._in_flight is not None and any(c.request.num_pending for c in step.chunks)
-        batch = self._forward_batch(step, fed)
+        batch, rows = self._forward_batch(step, fed)
         if fed:
             self._in_flight.feed(step, batch)
             if self.ranks is not None:  # the other ranks' batches lack the fed ids
@@ -477,9 +476,9 @@ class EngineCore:
         else:
             self.model.prepare(batch)
             logits = self.model(batch, self.kv_cache)
-        prompt_logprobs = self._score_prompts(step, batch, logits)
-        if batch.sample_rows is not None:
-            logits = logits[batch.sample_rows]
+        prompt_logprobs = self._score_prompts(step, rows, logits)
+        if rows.sample_rows is not None:
+            logits = logits[rows.sample_rows.to(logits.device)]
         samplers = [c.request for c in step.chunks if c.samples]
         tokens = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
         logprobs = ScoredTokens.sampled(logits, tokens, samplers)
@@ -539,39 +538,57 @@ class EngineCore:
             self.offload.store(self.scheduler.take_pending_stores(), self.kv_cache)
         return outputs
 
-    def _forward_batch(self, step: SchedulerStep, fed: bool = False) -> ForwardBatch:
-        """The step's batch; with tensor parallelism its plan goes to the other ranks first
-        (`fed`: the input ids of requests with a pending token follow once fed)."""
+    def _forward_batch(
+        self, step: SchedulerStep, fed: bool = False
+    ) -> tuple[ForwardBatch, ForwardBatch]:
+        """The step's batch for this rank, and the batch whose logits rows the forward returns:
+        the same one, except with data-parallel attention, where every rank returns every
+        rank's rows in rank order (a host-side batch of the whole step tells which are which).
+        With parallel ranks the plans go to the others first (`fed`: the input ids of requests
+        with a pending token follow once fed)."""
+        device = self.config.device
+        if self.data_parallel_size == 1:
+            plan = self._plan(step.chunks)
+            if self.ranks is not None:
+                self.ranks.run(plan, fed)
+            batch = ForwardBatch.build(**plan, device=device)
+            return batch, batch
+        dummy = self.kv_cache.num_blocks - 1
+        plans = rank_plans([self._plan(part.chunks) for part in step.parts], dummy, self.graphs)
+        self.ranks.run_each(plans[1:])
+        whole = ForwardBatch.build(**self._plan(step.chunks), device=torch.device("cpu"))
+        return ForwardBatch.build(**plans[0], device=device), whole
+
+    def _plan(self, step_chunks: list[ScheduledChunk]) -> dict[str, Any]:
+        """`ForwardBatch.build`'s arguments for these chunks."""
         chunks, starts = [], []
-        for chunk in step.chunks:
+        for chunk in step_chunks:
             start = chunk.request.num_computed_tokens
             chunks.append(chunk.request.token_ids[start : start + chunk.num_tokens])
             starts.append(start)
         plan = dict(
             token_chunks=chunks,
             start_positions=starts,
-            block_tables=[c.request.block_ids for c in step.chunks],
-            sample_mask=[c.samples for c in step.chunks],
+            block_tables=[c.request.block_ids for c in step_chunks],
+            sample_mask=[c.samples for c in step_chunks],
             block_size=self.config.block_size,
-            state_slots=[c.request.slot for c in step.chunks],
-            state_restore=[c.restore_from for c in step.chunks],
-            state_snapshot=[c.snapshot and c.snapshot[:2] for c in step.chunks],
+            state_slots=[c.request.slot for c in step_chunks],
+            state_restore=[c.restore_from for c in step_chunks],
+            state_snapshot=[c.snapshot and c.snapshot[:2] for c in step_chunks],
             every_row=[
                 c.request.prompt_logprobs is not None
                 and c.request.num_computed_tokens < c.request.num_prompt_tokens - 1
-                for c in step.chunks
+                for c in step_chunks
             ],
         )
-        if self.ranks is not None:
-            self.ranks.run(plan, fed)
-        return ForwardBatch.build(**plan, device=self.config.device)
+        return plan
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.block_manager.usage,
+            kv_cache_usage=self.scheduler.kv_usage,
             prefix_cache_queries=counters.prefix_queries,
             prefix_cache_hits=counters.prefix_hits,
             prefix_cache_hits_host=counters.prefix_hits_host,

@@ -13,6 +13,23 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class DataParallelCounts:
+    """Every data-parallel attention rank's share of one step: the ranks step together (their
+    MoE layers exchange tokens, their logits rows are gathered), so each needs the others'
+    sizes. A step without counts (KV sizing's profiling step, graph capture) is the same size
+    on every rank."""
+
+    tokens: tuple[int, ...]  # each rank's token rows
+    rows: tuple[int, ...]  # each rank's logits rows
+    #: The decode-graph bucket every rank replays (None: every rank runs eagerly).
+    bucket: int | None = None
+
+    @classmethod
+    def uniform(cls, tokens: int, rows: int, world: int) -> DataParallelCounts:
+        return cls((tokens,) * world, (rows,) * world)
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -37,6 +54,13 @@ class ForwardBatch:
     # on the device), and per sequence the first logits row of its chunk (None: last row only).
     sample_rows: torch.Tensor | None = None
     chunk_logits_cpu: list[int | None] = field(default_factory=list)
+    data_parallel: DataParallelCounts | None = None
+
+    def parallel_counts(self, world: int) -> DataParallelCounts:
+        """This step's data-parallel counts: rank 0's, or the same size on every rank."""
+        if self.data_parallel is not None:
+            return self.data_parallel
+        return DataParallelCounts.uniform(self.num_tokens, self.logits_indices.shape[0], world)
 
     @property
     def starts_states(self) -> bool:
@@ -76,12 +100,14 @@ class ForwardBatch:
         state_restore: list[int | None] | None = None,
         state_snapshot: list[tuple[int, int] | None] | None = None,
         every_row: list[bool] | None = None,
+        data_parallel: DataParallelCounts | None = None,
     ) -> ForwardBatch:
         """Flatten one step: sequence i feeds `token_chunks[i]` starting at `start_positions[i]`.
 
         `sample_mask[i]` says whether sequence i wants logits for its last row (a prefill chunk
         that does not reach the end of the prompt does not); `every_row[i]`, whether it wants
-        them for every row of its chunk (prompt logprobs).
+        them for every row of its chunk (prompt logprobs). `data_parallel`: every attention
+        rank's share of the step (data-parallel attention).
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -141,4 +167,5 @@ class ForwardBatch:
             state_slots=fields[4] if state_slots else None,
             sample_rows=fields[5] if any(every) else None,
             chunk_logits_cpu=chunk_logits,
+            data_parallel=data_parallel,
         )

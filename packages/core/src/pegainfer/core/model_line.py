@@ -42,7 +42,9 @@ class Probe:
 class ModelContext:
     """What a line needs to build its model; `parallel` is this process's tensor-parallel
     rank (the default: one process holding every weight); `expert_parallel`: a MoE line
-    divides its routed experts between the ranks instead of splitting each one's width."""
+    divides its routed experts between the ranks instead of splitting each one's width;
+    `data_parallel`: this process's attention rank when each rank serves its own sequences
+    (MoE lines: the routed experts are divided between these ranks, tokens exchanged)."""
 
     model_dir: Path
     config: dict[str, Any]
@@ -50,6 +52,7 @@ class ModelContext:
     device: torch.device
     parallel: ParallelGroup = field(default_factory=ParallelGroup)
     expert_parallel: bool = False
+    data_parallel: ParallelGroup = field(default_factory=ParallelGroup)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ C = TypeVar("C")
 
 @dataclass(frozen=True)
 class ParallelGroup:
-    """This process's place among the tensor-parallel ranks (world 1: no communication)."""
+    """This process's place among a set of ranks, tensor-parallel or (attention)
+    data-parallel (world 1: no communication)."""
 
     rank: int = 0
     world_size: int = 1
@@ -49,6 +50,24 @@ class ParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def gather_rows(self, x: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+        """Every rank's `x` [rows[rank], ...] concatenated in rank order, on every rank (each
+        padded to the most rows for the all-gather)."""
+        if self.world_size == 1:
+            return x
+        padded = x.new_zeros(max(rows), *x.shape[1:])
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)])
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [world * n, ...]: rows [p * n, (p + 1) * n) go to rank p; the result's block p
+        holds what rank p sent here."""
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=self.group)
+        return out
 
     def split(self, size: int) -> tuple[int, int]:
         """This rank's [start, end) of `size` items split evenly (`size` must divide)."""

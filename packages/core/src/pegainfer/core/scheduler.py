@@ -56,6 +56,8 @@ class SchedulerStep:
     restores: list[tuple[Request, list[tuple[bytes, int]], list[tuple[bytes, int]]]] = field(
         default_factory=list
     )
+    #: With data-parallel attention, each rank's own step (`chunks` is theirs in rank order).
+    parts: list[SchedulerStep] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +115,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of KV blocks in use."""
+        return self.blocks.usage
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

@@ -95,6 +95,16 @@ class WorkerSpec:
     dtype: torch.dtype
     device: str
     expert_parallel: bool = False
+    #: The ranks are data-parallel attention ranks (each serves its own sequences), not
+    #: tensor-parallel ones.
+    data_parallel: bool = False
+
+    def context(self, device: torch.device, rank: int, world: int) -> ModelContext:
+        """Rank `rank`'s context for building its share of the model."""
+        ranks = ParallelGroup(rank, world)
+        placement = {"data_parallel" if self.data_parallel else "parallel": ranks}
+        return ModelContext(self.model_dir, self.config, self.dtype, device,
+                            expert_parallel=self.expert_parallel, **placement)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,11 @@ class GraphSpec:
     dummy_block: int
     block_size: int
     dummy_slot: int | None
+    data_parallel_size: int = 1
+
+    def graphs(self, model: Model, cache: KVCache, device: torch.device) -> DecodeGraphs:
+        return DecodeGraphs(model, cache, self.buckets, self.dummy_block, self.block_size,
+                            device, self.dummy_slot, self.data_parallel_size)  # fmt: skip
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -195,9 +210,7 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connectio
     from pegainfer.core.plugins import model_lines
 
     line = next(line for line in model_lines() if line.name == spec.line)
-    context = ModelContext(spec.model_dir, spec.config, spec.dtype, device,
-                           ParallelGroup(rank, world), spec.expert_parallel)  # fmt: skip
-    model = line.build_model(context).eval()
+    model = line.build_model(spec.context(device, rank, world)).eval()
     store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=collective_timeout())
     store.set(f"{_CHECK_IN}{rank}", "")
     # However long rank 0 still loads (the parent thread ends us if rank 0 goes): joining
@@ -249,8 +262,7 @@ def _serve(model: Model, device: torch.device, inbox: Connection) -> None:
                 cache = KVCache(model.kv_arenas(detail.block_size), detail.num_blocks,
                                 device, model.state_arenas(), detail.num_slots)  # fmt: skip
             elif kind == "graphs":
-                graphs = DecodeGraphs(model, cache, detail.buckets, detail.dummy_block,
-                                      detail.block_size, device, detail.dummy_slot)  # fmt: skip
+                graphs = detail.graphs(model, cache, device)
                 graphs.capture()
             else:
                 raise ValueError(f"rank 0 sent an unknown message {kind!r}")
@@ -370,6 +382,17 @@ class TensorParallelRanks:
         batch's input ids follow (`share_inputs`) once rank 0 has fed it the tokens the step
         in flight samples (async scheduling)."""
         self._send("step", (plan, fed))
+
+    def run_each(self, plans: list[dict[str, Any]]) -> None:
+        """Have worker `r` run the step `plans[r - 1]` describes (data-parallel attention: each
+        rank its own sequences; rank 0 runs its own next)."""
+
+        def post() -> None:
+            for outbox, plan in zip(self._outboxes, plans, strict=True):
+                outbox.send_bytes(pickle.dumps(("step", (plan, False)),
+                                               protocol=pickle.HIGHEST_PROTOCOL))  # fmt: skip
+
+        self._collective(post)
 
     def share_inputs(self, input_ids: torch.Tensor) -> None:
         self._collective(lambda: dist.broadcast(input_ids, src=0))

@@ -25,7 +25,10 @@ class DeepseekLine(ModelLine):
 
         cfg = DeepseekConfig.from_dict(ctx.config)
         return build_and_load(
-            lambda: DeepseekV2ForCausalLM(cfg, ctx.parallel, ctx.expert_parallel), ctx
+            lambda: DeepseekV2ForCausalLM(
+                cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel
+            ),
+            ctx,
         )
 
     def write_tiny_checkpoint(

@@ -7,6 +7,11 @@ expert's width or, with expert parallelism (`ModelContext.expert_parallel`), a r
 routed experts. Either way every rank routes every token, computes its terms, and one
 all-reduce sums routed and shared outputs; the latent cache is whole on every rank.
 
+With data-parallel attention (`ModelContext.data_parallel`) each rank holds every weight but
+the routed experts, of which it holds a range, and runs its own sequences (its own latent
+cache): each MoE layer sends tokens to their experts' ranks and back (`core.expert_parallel`),
+and the final rows of every rank are gathered so that each rank computes every rank's logits.
+
 Each cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per
 layer) and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA
 kernels read. Attention is core's (`core.latent_attention`, given `kv_b_proj` per head): long
@@ -27,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.core import parallel
+from pegainfer.core import expert_parallel, parallel
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.forward_batch import ForwardBatch
 from pegainfer.core.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.latent_attention import (
@@ -130,17 +136,25 @@ class Experts(nn.Module):
     """Routed experts beside always-on shared ones. Under tensor parallelism a rank holds its
     share of every routed expert's width (the default: every rank reads a share of each
     chosen expert) or, with `expert_parallel`, a range of whole experts; and its share of the
-    shared ones' width. Either way every rank routes every token and one all-reduce sums."""
+    shared ones' width. Either way every rank routes every token and one all-reduce sums.
+    With data-parallel attention (`data_parallel` of more than one rank) a rank holds a range
+    of whole experts and the whole shared ones, and routes only its own tokens, which the
+    all-to-all takes to their experts' ranks."""
 
     def __init__(
-        self, cfg: DeepseekConfig, group: parallel.ParallelGroup, expert_parallel: bool
-    ) -> None:
+        self, cfg: DeepseekConfig, group: parallel.ParallelGroup, expert_parallel: bool,
+        data_parallel: parallel.ParallelGroup,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.cfg = cfg
         self.group = group
+        self.data_parallel = data_parallel
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = empty_param(cfg.num_experts, h)
-        if expert_parallel:
+        if data_parallel.world_size > 1:
+            local = cfg.num_experts // data_parallel.world_size
+            self.experts = RoutedExperts(h, inter, local, data_parallel.rank * local)
+        elif expert_parallel:
             local = cfg.num_experts // group.world_size
             self.experts = RoutedExperts(h, inter, local, group.rank * local)
         else:
@@ -159,13 +173,26 @@ class Experts(nn.Module):
             cfg.topk_group, cfg.routed_scaling_factor,
         )  # fmt: skip
 
-    def forward(self, x: torch.Tensor, elementwise: LayerOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, elementwise: LayerOps, capacity: int) -> torch.Tensor:
+        """`capacity`: the most tokens any data-parallel rank has this step."""
         shared = self.shared_experts(x, elementwise)
         weights, chosen = self._route(x)
+        if self.data_parallel.world_size > 1:
+            routed = expert_parallel.exchange(x, weights, chosen, self.experts.count, capacity,
+                                              self.data_parallel, self._routed)  # fmt: skip
+            return routed + shared
+        return self.group.all_reduce(self._routed(x, weights, chosen, shared))
+
+    def _routed(
+        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+        shared: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The terms of the experts held here (plus `shared`)."""
         experts = (*self.experts.stacked(), self.experts.first)
         if x.is_cuda:
-            return self.group.all_reduce(_kernels().fused_moe(x, weights, chosen, *experts, shared))
-        return self.group.all_reduce(ops.moe(x, weights, chosen, *experts) + shared)
+            return _kernels().fused_moe(x, weights, chosen, *experts, shared)
+        routed = ops.moe(x, weights, chosen, *experts)
+        return routed if shared is None else routed + shared
 
 
 @cache
@@ -192,14 +219,14 @@ class DenseMLP(Expert):
 class DeepseekLayer(nn.Module):
     def __init__(
         self, cfg: DeepseekConfig, index: int, group: parallel.ParallelGroup,
-        expert_parallel: bool,
+        expert_parallel: bool, data_parallel: parallel.ParallelGroup,
     ) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = empty_param(cfg.hidden_size)
         self.post_attention_layernorm = empty_param(cfg.hidden_size)
         self.self_attn = LatentAttention(cfg, group)
         if cfg.is_moe(index):
-            self.mlp: nn.Module = Experts(cfg, group, expert_parallel)
+            self.mlp: nn.Module = Experts(cfg, group, expert_parallel, data_parallel)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, group)
 
@@ -207,10 +234,15 @@ class DeepseekLayer(nn.Module):
 class DeepseekV2ForCausalLM(Model):
     def __init__(
         self, cfg: DeepseekConfig, group: parallel.ParallelGroup | None = None,
-        expert_parallel: bool = False,
+        expert_parallel: bool = False, data_parallel: parallel.ParallelGroup | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.group = group = group or parallel.ParallelGroup()
+        self.data_parallel = data_parallel = data_parallel or parallel.ParallelGroup()
+        if data_parallel.world_size > 1 and group.world_size > 1:
+            raise ConfigError("data-parallel attention with tensor parallelism is not built yet")
+        # Whole experts per attention rank.
+        parallel.shard_config(cfg, data_parallel, (), num_experts=cfg.num_experts)
         self.full_cfg = cfg
         shared_width = cfg.moe_intermediate_size * cfg.num_shared_experts
         # Routed experts split by count (expert parallel) or each by width.
@@ -222,7 +254,7 @@ class DeepseekV2ForCausalLM(Model):
         )  # fmt: skip
         vocab_rows = cfg.vocab_size // group.world_size
         self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, group, expert_parallel)
+        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, group, expert_parallel, data_parallel)
                                     for i in range(cfg.num_layers))  # fmt: skip
         self.norm = empty_param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
@@ -334,6 +366,8 @@ class DeepseekV2ForCausalLM(Model):
         rope, cfg, elementwise = self.rope, self.cfg, self.ops
         assert rope is not None and elementwise is not None, "init_runtime() must run first"
         ckv, kpe, eps = kv_cache["ckv"], kv_cache["kpe"], cfg.rms_norm_eps
+        counts = batch.parallel_counts(self.data_parallel.world_size)
+        capacity = max(counts.tokens)
         hidden = parallel.vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.group)
         residual = None
         for index, layer in enumerate(self.layers):
@@ -342,8 +376,12 @@ class DeepseekV2ForCausalLM(Model):
             x, residual = elementwise.add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, eps
             )
-            hidden = layer.mlp(x, elementwise)
+            if isinstance(layer.mlp, Experts):
+                hidden = layer.mlp(x, elementwise, capacity)
+            else:
+                hidden = layer.mlp(x, elementwise)
         rows = batch.logits_indices
         x, _ = elementwise.add_rms_norm(hidden[rows], residual[rows], self.norm, eps)
+        x = self.data_parallel.gather_rows(x, counts.rows)  # every rank's rows, in rank order
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return parallel.vocab_parallel_logits(x, head, self.group).float()

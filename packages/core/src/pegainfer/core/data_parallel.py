@@ -1,0 +1,124 @@
+"""Data-parallel attention, on rank 0: one scheduler (and block manager) per attention rank,
+and each step's plan per rank.
+
+Each request is placed on the rank with the fewest requests and stays there (its KV cache
+lives there). A step is every rank's step at once: its chunks are the ranks' in rank order,
+which is also the order of the logits rows the ranks gather, so sampling and commits read the
+whole step as one. The ranks step together because their MoE layers exchange tokens: a rank
+with nothing to run joins with one dummy token (eagerly), or with padding rows only when
+every rank replays a decode graph, the same bucket on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pegainfer.core.cuda_graphs import DecodeGraphs
+from pegainfer.core.forward_batch import DataParallelCounts
+from pegainfer.core.request import Request
+from pegainfer.core.scheduler import Scheduler, SchedulerCounters, SchedulerStep
+
+
+class DataParallelScheduler:
+    """The attention ranks' schedulers behind one scheduler's interface."""
+
+    def __init__(self, ranks: list[Scheduler]) -> None:
+        self.ranks = ranks
+        self._placed: dict[str, int] = {}  # request id -> its rank
+
+    @property
+    def running(self) -> list[Request]:
+        return [request for rank in self.ranks for request in rank.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [request for rank in self.ranks for request in rank.waiting]
+
+    @property
+    def has_work(self) -> bool:
+        return any(rank.has_work for rank in self.ranks)
+
+    @property
+    def kv_usage(self) -> float:
+        """The mean of the ranks' KV usage (their caches are the same size)."""
+        return sum(rank.kv_usage for rank in self.ranks) / len(self.ranks)
+
+    @property
+    def counters(self) -> SchedulerCounters:
+        total = SchedulerCounters()
+        for rank in self.ranks:
+            for name, value in vars(rank.counters).items():
+                setattr(total, name, getattr(total, name) + value)
+        return total
+
+    def add(self, request: Request) -> None:
+        """Place the request on the rank with the fewest requests (the lowest of a tie)."""
+        loads = [len(rank.running) + len(rank.waiting) for rank in self.ranks]
+        rank = loads.index(min(loads))
+        self._placed[request.request_id] = rank
+        self.ranks[rank].add(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        rank = self._placed.pop(request_id, None)
+        return None if rank is None else self.ranks[rank].abort(request_id)
+
+    def schedule(self) -> SchedulerStep:
+        parts = [rank.schedule() for rank in self.ranks]
+        return SchedulerStep(
+            chunks=[chunk for part in parts for chunk in part.chunks],
+            preempted=[request for part in parts for request in part.preempted],
+            parts=parts,
+        )
+
+    def advance(self, step: SchedulerStep) -> None:
+        for rank, part in zip(self.ranks, step.parts, strict=True):
+            rank.advance(part)
+
+    def commit(self, step: SchedulerStep, sampled: list[int]) -> list[Request]:
+        """Each rank commits its own sampled ids (the step's are in rank order)."""
+        touched: list[Request] = []
+        start = 0
+        for rank, part in zip(self.ranks, step.parts, strict=True):
+            end = start + sum(chunk.samples for chunk in part.chunks)
+            touched += rank.commit(part, sampled[start:end])
+            start = end
+        for request in touched:
+            if request.finished:
+                self._placed.pop(request.request_id, None)
+        return touched
+
+
+# An idle rank's eager step: one token at position 0 of the dummy block, sampling nothing.
+_IDLE = dict(token_chunks=[[0]], start_positions=[0], sample_mask=[False], every_row=[False],
+             state_slots=[], state_restore=[None], state_snapshot=[None])  # fmt: skip
+
+
+def rank_plans(
+    plans: list[dict[str, Any]], dummy_block: int, graphs: DecodeGraphs | None
+) -> list[dict[str, Any]]:
+    """Every rank's plan (`ForwardBatch.build`'s arguments) completed for a lockstep step: the
+    ranks' counts, the graph bucket when every rank's batch is a pure decode that fits one,
+    and a dummy token (at `dummy_block`, sampling nothing) for an idle rank's eager step."""
+    tokens = [sum(len(chunk) for chunk in plan["token_chunks"]) for plan in plans]
+    rows = [_logits_rows(plan) for plan in plans]
+    bucket = None
+    if graphs is not None and 0 < max(tokens) <= graphs.max_batch:
+        decodes = all(len(chunk) == 1 for plan in plans for chunk in plan["token_chunks"])
+        if decodes and rows == tokens:
+            bucket = graphs.bucket_for(max(tokens))
+    completed = []
+    for rank, plan in enumerate(plans):
+        if tokens[rank] == 0 and bucket is None:
+            plan = plan | _IDLE | dict(block_tables=[[dummy_block]])
+            tokens[rank] = 1
+        completed.append(plan)
+    counts = DataParallelCounts(tuple(tokens), tuple(rows), bucket)
+    return [plan | {"data_parallel": counts} for plan in completed]
+
+
+def _logits_rows(plan: dict[str, Any]) -> int:
+    """The logits rows a plan's batch yields: every row of an `every_row` chunk, else the
+    last row of a sampling chunk."""
+    every = plan.get("every_row") or [False] * len(plan["token_chunks"])
+    return sum(len(chunk) if all_rows else int(sample) for chunk, sample, all_rows
+               in zip(plan["token_chunks"], plan["sample_mask"], every, strict=True))  # fmt: skip

@@ -1,0 +1,73 @@
+"""The all-to-all expert exchange over two gloo ranks computes, for each rank's own tokens,
+what one process holding every expert does: tokens that need no remote expert, tokens that
+need both ranks, ranks with fewer tokens than the capacity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pegainfer.core.expert_parallel import exchange
+from pegainfer.core.parallel import ParallelGroup
+from tests.core.test_parallel import free_port
+
+HIDDEN, EXPERTS, TOP_K = 8, 6, 2
+
+
+def expert_weights() -> torch.Tensor:
+    return torch.randn(EXPERTS, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(1))
+
+
+def linear_experts(first: int, weights_of: torch.Tensor):
+    """compute() for experts `first`.. held here: expert e maps x to weights_of[e] @ x."""
+
+    def compute(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for k in range(experts.shape[1]):
+            local = experts[:, k] - first
+            held = (local >= 0) & (local < weights_of.shape[0])
+            y = torch.einsum("toi,ti->to", weights_of[local.clamp(0, weights_of.shape[0] - 1)], x)
+            out += torch.where(held[:, None], y * weights[:, k, None], 0.0)
+        return out
+
+    return compute
+
+
+def rank_inputs(rank: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    experts = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
+    if tokens:
+        experts[0] = torch.tensor([0, 1])  # rank 0's experts only
+        experts[-1] = torch.tensor([5, 4])  # rank 1's only
+    weights = torch.rand(tokens, TOP_K, generator=g)
+    return x, weights, experts
+
+
+def _worker(rank: int, port: int, sizes: tuple[int, int], out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    try:
+        x, weights, experts = rank_inputs(rank, sizes[rank])
+        per_rank = EXPERTS // 2
+        mine = expert_weights()[rank * per_rank : (rank + 1) * per_rank]
+        got = exchange(x, weights, experts, per_rank, max(sizes), ParallelGroup(rank, 2),
+                       linear_experts(rank * per_rank, mine))  # fmt: skip
+        torch.save(got, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [(5, 5), (7, 2), (1, 9)])
+def test_the_exchange_equals_every_expert_in_one_process(tmp_path, sizes):
+    mp.spawn(_worker, args=(free_port(), sizes, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        x, weights, experts = rank_inputs(rank, sizes[rank])
+        expected = linear_experts(0, expert_weights())(x, weights, experts)
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
