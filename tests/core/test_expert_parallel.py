@@ -28,7 +28,7 @@ def linear_experts(first: int, weights_of: torch.Tensor):
     def compute(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for k in range(experts.shape[1]):
-            local = experts[:, k] - first
+            local = experts[:, k].long() - first
             held = (local >= 0) & (local < weights_of.shape[0])
             y = torch.einsum("toi,ti->to", weights_of[local.clamp(0, weights_of.shape[0] - 1)], x)
             out += torch.where(held[:, None], y * weights[:, k, None], 0.0)
@@ -45,7 +45,7 @@ def rank_inputs(rank: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, tor
         experts[0] = torch.tensor([0, 1])  # rank 0's experts only
         experts[-1] = torch.tensor([5, 4])  # rank 1's only
     weights = torch.rand(tokens, TOP_K, generator=g)
-    return x, weights, experts
+    return x, weights, experts.int()  # as the CUDA router gives them
 
 
 def _worker(rank: int, port: int, sizes: tuple[int, int], out: str) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from pegainfer.core.parallel import ParallelGroup
 
-#: compute(x [n, H], weights [n, k] float32, experts [n, k] int64) -> [n, H]: the weighted
+#: compute(x [n, H], weights [n, k] float32, experts [n, k] int32) -> [n, H]: the weighted
 #: sum of each row's chosen experts held on this rank (rows whose experts are all -1: zeros).
 ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -36,11 +36,11 @@ def exchange(
     compute: ExpertCompute,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for this rank's tokens x [T, H]
-    (T <= capacity), expert e held by rank e // experts_per_rank."""
+    (T <= capacity; `experts` int32 or int64), expert e held by rank e // experts_per_rank."""
     world, (tokens, hidden), top_k = group.world_size, x.shape, experts.shape[1]
     device = x.device
     needs = torch.zeros(tokens, world, dtype=torch.bool, device=device)
-    needs.scatter_(1, experts // experts_per_rank, True)
+    needs.scatter_(1, (experts // experts_per_rank).long(), True)
     # Token t's row in the send buffer: peer p's block, after the earlier tokens that need p;
     # pairs (t, p) that are not needed go to one spill row past the end, never sent.
     place = needs.long().cumsum(0) - 1 + torch.arange(world, device=device) * capacity
@@ -56,7 +56,7 @@ def exchange(
     send_meta[dest] = meta.repeat_interleave(world, dim=0)
     received = group.all_to_all(send[:spill])
     received_meta = group.all_to_all(send_meta[:spill])
-    received_experts = received_meta[:, :top_k].contiguous().view(torch.int32).long()
+    received_experts = received_meta[:, :top_k].contiguous().view(torch.int32)
     results = compute(received, received_meta[:, top_k:].contiguous(), received_experts)
     returned = torch.cat((group.all_to_all(results), results.new_zeros(1, hidden)))
     return returned[dest].view(tokens, world, hidden).float().sum(dim=1).to(x.dtype)
