@@ -47,16 +47,22 @@ def exchange(
     spill = world * capacity
     dest = torch.where(needs, place, spill).flatten()
     send = x.new_zeros(spill + 1, hidden)
-    send[dest] = x.repeat_interleave(world, dim=0)
+    send[dest] = _per_peer(x, world)
     # Each row's experts (int32 bits) and weights travel together in one float32 message.
     meta = torch.cat((experts.int().view(torch.float32), weights.float()), dim=1)
     send_meta = torch.cat((torch.full((spill + 1, top_k), -1, dtype=torch.int32, device=device)
                            .view(torch.float32),
                            torch.zeros(spill + 1, top_k, device=device)), dim=1)  # fmt: skip
-    send_meta[dest] = meta.repeat_interleave(world, dim=0)
+    send_meta[dest] = _per_peer(meta, world)
     received = group.all_to_all(send[:spill])
     received_meta = group.all_to_all(send_meta[:spill])
     received_experts = received_meta[:, :top_k].contiguous().view(torch.int32)
     results = compute(received, received_meta[:, top_k:].contiguous(), received_experts)
     returned = torch.cat((group.all_to_all(results), results.new_zeros(1, hidden)))
     return returned[dest].view(tokens, world, hidden).float().sum(dim=1).to(x.dtype)
+
+
+def _per_peer(rows: torch.Tensor, world: int) -> torch.Tensor:
+    """Each row `world` times in a row (`dest`'s token-major order); unlike
+    `repeat_interleave`, no device value sizes the output (a graph can capture it)."""
+    return rows[:, None].expand(-1, world, -1).reshape(-1, rows.shape[1])

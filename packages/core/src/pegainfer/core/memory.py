@@ -63,7 +63,8 @@ def profile_step_peak(
 
     The step fills the token budget (which sets the activations) with as many sequences as a
     step may hold, each no longer than `max_model_len`, every one sampling (which sets the
-    logits and the sampler's buffers).
+    logits and the sampler's buffers; with data-parallel attention the step's logits are every
+    rank's rows, which rank 0 samples).
     """
     seqs = max(min(num_seqs, num_tokens), -(-num_tokens // max_model_len))
     base, extra = divmod(num_tokens, seqs)
@@ -85,13 +86,14 @@ def profile_step_peak(
     with torch.inference_mode():
         model.prepare(batch)
         logits = model(batch, scratch)
+        rows = logits.shape[0]  # with data-parallel attention, every rank's rows
         probe = SamplingBatch(
-            temperature=torch.ones(seqs),
-            top_k=torch.full((seqs,), 20),
-            top_p=torch.full((seqs,), 0.9),
-            min_p=torch.full((seqs,), 0.05),
-            generators=[torch.Generator(device)] * seqs,
-            banned=[frozenset()] * seqs,
+            temperature=torch.ones(rows),
+            top_k=torch.full((rows,), 20),
+            top_p=torch.full((rows,), 0.9),
+            min_p=torch.full((rows,), 0.05),
+            generators=[torch.Generator(device)] * rows,
+            banned=[frozenset()] * rows,
         ).to(device)
         sample(logits, probe)
     torch.cuda.synchronize(device)
