@@ -184,7 +184,7 @@ def decode_step_time(
         times.append(time.perf_counter() - start)
     decode_median = statistics.median(times)
     # The forward alone: replay the step's graph as last planned (GPU time, no host work).
-    # Not under tensor parallelism: the graph's all-reduces wait for the other ranks, which
+    # Not with parallel ranks: the graph's all-reduces wait for the other ranks, which
     # replay only inside engine steps.
     replay = None
     if engine.ranks is None:
@@ -310,7 +310,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--enable-expert-parallel", action="store_true",
-        help="MoE lines under tensor parallelism: whole experts divided between the ranks",
+        help="MoE lines: whole experts divided between the ranks",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=1,
+        help="MoE lines, with --enable-expert-parallel: attention ranks on GPUs 0..N-1, each "
+        "with its share of a batch's sequences; the HBM limit is one rank's bytes for its share",
     )  # fmt: skip
     parser.add_argument(
         "--kv-offload-gib", type=float, default=0.0,
@@ -355,6 +360,7 @@ def main() -> None:
             kv_offload=bool(args.kv_offload_gib), kv_offload_gib=args.kv_offload_gib or 16.0,
             async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
+            data_parallel_size=args.data_parallel_size,
         ))  # fmt: skip
         load_s = time.perf_counter() - started
 
@@ -387,7 +393,10 @@ def main() -> None:
         step, replay, mixed = decode_step_time(
             engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt, constrained,
         )  # fmt: skip
-        kv = batch * ((args.context + args.steps // 2) * kv_bytes_per_token + state_bytes_per_seq)
+        # One rank's sequences (data-parallel attention spreads them over the ranks); its
+        # routed experts serve every rank's tokens.
+        seqs = -(-batch // args.data_parallel_size)
+        kv = seqs * ((args.context + args.steps // 2) * kv_bytes_per_token + state_bytes_per_seq)
         limit = (read_bytes(batch) + kv) / bandwidth
         decode.append({
             "batch": batch, "constrained_fraction": constrained, "step_ms": step * 1e3,
@@ -442,6 +451,7 @@ def main() -> None:
         "num_kv_blocks": engine.config.num_kv_blocks, "async_scheduling": args.async_scheduling,
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "data_parallel_size": args.data_parallel_size,
         "constrained_fractions": args.constrained,
         "decode": decode, "prefill": prefill,
         "prefix_hit": prefix_hit,
