@@ -89,3 +89,20 @@ def test_an_idle_rank_runs_a_dummy_token_eagerly_and_only_padding_under_a_graph(
     assert rank_plans([decode, plan([[1]] * 2)], 99, None)[0]["data_parallel"].bucket is None
     not_sampling = rank_plans([decode, plan([[1]], sample=False)], 99, _Graphs())
     assert not_sampling[0]["data_parallel"] == DataParallelCounts((3, 1), (3, 0), None)
+
+
+def test_a_cached_prefix_draws_a_request_until_its_ranks_extra_load_outweighs_it():
+    s = make(budget=64)
+    s.add(request("a", 20, max_tokens=50))  # rank 0
+    s.add(request("b", 20, max_tokens=50, first=100))  # rank 1: caches 5 blocks of 4
+    for _ in range(2):
+        step = s.schedule()
+        s.advance(step)
+        s.commit(step, [7] * sum(c.samples for c in step.chunks))
+    assert [len(rank.running) for rank in s.ranks] == [1, 1]
+    # Same load (21 tokens each): b's prefix (16 reusable tokens of 24) wins.
+    s.add(request("c", 24, first=100))
+    assert placed(s) == [["a"], ["b", "c"]]
+    # Rank 1 now holds 24 more tokens than rank 0: more than the 16 its cache saves.
+    s.add(request("d", 24, first=100))
+    assert placed(s) == [["a", "d"], ["b", "c"]]

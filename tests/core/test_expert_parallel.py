@@ -48,13 +48,14 @@ def rank_inputs(rank: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return x, weights, experts.int()  # as the CUDA router gives them
 
 
-def _worker(rank: int, port: int, sizes: tuple[int, int], out: str) -> None:
+def _worker(rank: int, port: int, sizes: tuple[int, int], dtype: torch.dtype, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)  # fmt: skip
     try:
         x, weights, experts = rank_inputs(rank, sizes[rank])
         per_rank = EXPERTS // 2
-        mine = expert_weights()[rank * per_rank : (rank + 1) * per_rank]
+        mine = expert_weights()[rank * per_rank : (rank + 1) * per_rank].to(dtype)
+        x = x.to(dtype)
         got = exchange(x, weights, experts, per_rank, max(sizes), ParallelGroup(rank, 2),
                        linear_experts(rank * per_rank, mine))  # fmt: skip
         torch.save(got, Path(out) / f"rank{rank}.pt")
@@ -62,12 +63,17 @@ def _worker(rank: int, port: int, sizes: tuple[int, int], out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sizes", [(5, 5), (7, 2), (1, 9)])
-def test_the_exchange_equals_every_expert_in_one_process(tmp_path, sizes):
-    mp.spawn(_worker, args=(free_port(), sizes, str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize(("sizes", "dtype"), [
+    ((5, 5), torch.float32), ((7, 2), torch.float32), ((1, 9), torch.float32),
+    ((7, 2), torch.bfloat16),
+])  # fmt: skip
+def test_the_exchange_equals_every_expert_in_one_process(tmp_path, sizes, dtype):
+    """In bfloat16 the experts' ids and weights travel as pairs of bf16 columns."""
+    mp.spawn(_worker, args=(free_port(), sizes, dtype, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         x, weights, experts = rank_inputs(rank, sizes[rank])
         expected = linear_experts(0, expert_weights())(x, weights, experts)
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert got.shape == expected.shape and got.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)

@@ -377,8 +377,25 @@ def test_what_tensor_parallelism_does_not_cover_yet_is_refused(checkpoint):
 def test_expert_parallelism_is_refused_for_a_line_without_experts(checkpoint):
     with pytest.raises(ConfigError, match="does not use these arguments: enable_expert_parallel"):
         make_engine(checkpoint, tensor_parallel_size=2, enable_expert_parallel=True)
-    with pytest.raises(ConfigError, match="data_parallel_size, enable_expert_parallel"):
+    with pytest.raises(ConfigError, match="does not use these arguments: enable_expert_parallel"):
         make_engine(checkpoint, data_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_data_parallel_attention_is_refused_for_a_line_that_does_not_declare_it(tmp_path):
+    """A line runs data-parallel attention only if it says so (its forward must exchange
+    tokens and return every rank's rows on rank 0)."""
+    from pegainfer.core.args import EngineArgs
+    from pegainfer.core.engine import EngineCore
+    from pegainfer.models.deepseek.line import DeepseekLine
+    from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
+
+    class Undeclared(DeepseekLine):
+        supports_data_parallel = False
+
+    args = EngineArgs(model=str(write_deepseek(tmp_path / "deepseek")), device="cpu",
+                      data_parallel_size=2, enable_expert_parallel=True)  # fmt: skip
+    with pytest.raises(ConfigError, match="'deepseek' model line does not run data-parallel"):
+        EngineCore(args, lines=[Undeclared()])
 
 
 @pytest.mark.parametrize(("args", "error"), [

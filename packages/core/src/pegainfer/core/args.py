@@ -42,9 +42,13 @@ class EngineArgs:
     max_model_len: int | None = _arg(
         None, "Longest sequence (prompt + output) served; defaults to the model's maximum."
     )
-    max_num_seqs: int = _arg(256, "Most sequences in one engine step.")
+    max_num_seqs: int = _arg(
+        256, "Most sequences in one engine step (per attention rank with --data-parallel-size)."
+    )
     max_num_batched_tokens: int = _arg(
-        2048, "Token budget of one engine step; longer prompts are prefilled in chunks."
+        2048,
+        "Token budget of one engine step (per attention rank with --data-parallel-size); longer "
+        "prompts are prefilled in chunks.",
     )
     block_size: int = _arg(16, "Tokens per KV-cache block.")
     num_kv_blocks: int | None = _arg(
@@ -94,8 +98,8 @@ class EngineArgs:
     )
     enable_expert_parallel: bool = _arg(
         False,
-        "MoE lines: divide the routed experts between the ranks (each holds whole experts) "
-        "instead of splitting every expert's width across them.",
+        "MoE lines with more than one rank: divide the routed experts between the ranks (each "
+        "holds whole experts) instead of splitting every expert's width across them.",
         "--enable-expert-parallel",
     )
     data_parallel_size: int = _arg(

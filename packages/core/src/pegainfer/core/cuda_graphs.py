@@ -9,8 +9,8 @@ Models with recurrent state read and write each row's state slot in place; paddi
 reserved dummy slot, and steps where a state starts or is checkpointed run eagerly.
 
 With data-parallel attention every rank replays the bucket rank 0 chose for the step (the
-ranks' collectives must match) and the forward returns every rank's `bucket` rows of logits,
-of which a step keeps each rank's real ones.
+ranks' collectives must match) and rank 0's forward returns every rank's `bucket` rows of
+logits, of which a step keeps each rank's real ones.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         dummy_slot: int | None = None,
-        data_parallel_size: int = 1,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -58,9 +57,9 @@ class DecodeGraphs:
         self._pad = torch.tensor([0, 0, dummy_block * block_size, dummy_slot or 0], device=device)
         self._inputs.copy_(self._pad[:, None].expand(-1, largest))
         self._rows = torch.arange(largest, device=device)
-        self._logits = torch.empty(
-            data_parallel_size * largest, model.vocab_size, dtype=torch.float32, device=device
-        )
+        # The largest bucket's logits, sized by its warm-up (with data-parallel attention,
+        # every rank's rows on rank 0 and none on the others).
+        self._logits: torch.Tensor | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     @property
@@ -89,7 +88,11 @@ class DecodeGraphs:
         for bucket in reversed(self.buckets):
             batch = self._padded(bucket, [], [], [])
             self.model.prepare_graph(batch, bucket)
-            self.model(batch, self.kv_cache)  # warm-up: compiles kernels, settles allocations
+            # Warm-up: compiles kernels, settles allocations.
+            warm = self.model(batch, self.kv_cache)
+            if self._logits is None:
+                self._logits = torch.empty_like(warm)
+            del warm
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model(batch, self.kv_cache)
@@ -118,8 +121,8 @@ class DecodeGraphs:
         self._graphs[bucket].replay()
         if counts is None:
             return self._logits[:n]
-        keep = [rank * bucket + row for rank, rows in enumerate(counts.rows) for row in range(rows)]
-        return self._logits[torch.tensor(keep, device=self._logits.device)]
+        return torch.cat([self._logits[rank * bucket : rank * bucket + rows]
+                          for rank, rows in enumerate(counts.rows)])  # fmt: skip
 
     def _padded(
         self,

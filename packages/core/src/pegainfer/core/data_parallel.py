@@ -1,12 +1,13 @@
 """Data-parallel attention, on rank 0: one scheduler (and block manager) per attention rank,
 and each step's plan per rank.
 
-Each request is placed on the rank with the fewest requests and stays there (its KV cache
-lives there). A step is every rank's step at once: its chunks are the ranks' in rank order,
-which is also the order of the logits rows the ranks gather, so sampling and commits read the
-whole step as one. The ranks step together because their MoE layers exchange tokens: a rank
-with nothing to run joins with one dummy token (eagerly), or with padding rows only when
-every rank replays a decode graph, the same bucket on every rank.
+Each request is placed on the rank where it adds the least work, counting the prefix that
+rank has cached, and stays there (its KV cache lives there). A step is every rank's step at
+once: its chunks are the ranks' in rank order, which is also the order of the logits rows
+rank 0 gathers, so sampling and commits read the whole step as one. The ranks step together
+because their MoE layers exchange tokens: a rank with nothing to run joins with one dummy
+token (eagerly), or with padding rows only when every rank replays a decode graph, the same
+bucket on every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from pegainfer.core.cuda_graphs import DecodeGraphs
-from pegainfer.core.forward_batch import DataParallelCounts
+from pegainfer.core.forward_batch import DataParallelCounts, logits_rows
 from pegainfer.core.request import Request
 from pegainfer.core.scheduler import Scheduler, SchedulerCounters, SchedulerStep
 
@@ -40,8 +41,8 @@ class DataParallelScheduler:
 
     @property
     def kv_usage(self) -> float:
-        """The mean of the ranks' KV usage (their caches are the same size)."""
-        return sum(rank.kv_usage for rank in self.ranks) / len(self.ranks)
+        """The fullest rank's KV usage: the first to preempt."""
+        return max(rank.kv_usage for rank in self.ranks)
 
     @property
     def counters(self) -> SchedulerCounters:
@@ -52,9 +53,21 @@ class DataParallelScheduler:
         return total
 
     def add(self, request: Request) -> None:
-        """Place the request on the rank with the fewest requests (the lowest of a tie)."""
-        loads = [len(rank.running) + len(rank.waiting) for rank in self.ranks]
-        rank = loads.index(min(loads))
+        """Place the request where it adds the least work: the rank's tokens in flight, plus
+        the request's tokens less the prefix that rank has cached (the lowest of a tie). A
+        shared prefix draws requests to the rank that holds it until that rank's excess load
+        outweighs the prefix; then another rank takes one, and caches the prefix too."""
+        blocks = self.ranks[0].blocks  # every rank hashes blocks alike
+        blocks.extend_block_hashes(request.token_ids, request.block_hashes, request.cache_salt)
+        reusable = (request.num_tokens - 1) // blocks.block_size
+
+        def added_work(rank: Scheduler) -> int:
+            load = sum(r.num_tokens for queue in (rank.running, rank.waiting) for r in queue)
+            cached = len(rank.blocks.match_prefix(request.block_hashes, reusable))
+            return load + request.num_tokens - cached * blocks.block_size
+
+        costs = [added_work(rank) for rank in self.ranks]
+        rank = costs.index(min(costs))
         self._placed[request.request_id] = rank
         self.ranks[rank].add(request)
 
@@ -88,11 +101,6 @@ class DataParallelScheduler:
         return touched
 
 
-# An idle rank's eager step: one token at position 0 of the dummy block, sampling nothing.
-_IDLE = dict(token_chunks=[[0]], start_positions=[0], sample_mask=[False], every_row=[False],
-             state_slots=[], state_restore=[None], state_snapshot=[None])  # fmt: skip
-
-
 def rank_plans(
     plans: list[dict[str, Any]], dummy_block: int, graphs: DecodeGraphs | None
 ) -> list[dict[str, Any]]:
@@ -100,7 +108,7 @@ def rank_plans(
     ranks' counts, the graph bucket when every rank's batch is a pure decode that fits one,
     and a dummy token (at `dummy_block`, sampling nothing) for an idle rank's eager step."""
     tokens = [sum(len(chunk) for chunk in plan["token_chunks"]) for plan in plans]
-    rows = [_logits_rows(plan) for plan in plans]
+    rows = [_logits_count(plan) for plan in plans]
     bucket = None
     if graphs is not None and 0 < max(tokens) <= graphs.max_batch:
         decodes = all(len(chunk) == 1 for plan in plans for chunk in plan["token_chunks"])
@@ -109,16 +117,21 @@ def rank_plans(
     completed = []
     for rank, plan in enumerate(plans):
         if tokens[rank] == 0 and bucket is None:
-            plan = plan | _IDLE | dict(block_tables=[[dummy_block]])
+            plan = plan | _idle(dummy_block)
             tokens[rank] = 1
         completed.append(plan)
     counts = DataParallelCounts(tuple(tokens), tuple(rows), bucket)
     return [plan | {"data_parallel": counts} for plan in completed]
 
 
-def _logits_rows(plan: dict[str, Any]) -> int:
-    """The logits rows a plan's batch yields: every row of an `every_row` chunk, else the
-    last row of a sampling chunk."""
-    every = plan.get("every_row") or [False] * len(plan["token_chunks"])
-    return sum(len(chunk) if all_rows else int(sample) for chunk, sample, all_rows
-               in zip(plan["token_chunks"], plan["sample_mask"], every, strict=True))  # fmt: skip
+def _logits_count(plan: dict[str, Any]) -> int:
+    lengths = [len(chunk) for chunk in plan["token_chunks"]]
+    return len(logits_rows(lengths, plan["sample_mask"], plan["every_row"])[0])
+
+
+def _idle(dummy_block: int) -> dict[str, Any]:
+    """An idle rank's eager step: one token at position 0 of the dummy block, sampling
+    nothing."""
+    return dict(token_chunks=[[0]], start_positions=[0], block_tables=[[dummy_block]],
+                sample_mask=[False], every_row=[False], state_slots=[], state_restore=[None],
+                state_snapshot=[None])  # fmt: skip

@@ -19,7 +19,7 @@ from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.cuda_graphs import DecodeGraphs, graph_buckets
 from pegainfer.core.data_parallel import DataParallelScheduler, rank_plans
 from pegainfer.core.errors import ConfigError, InvalidRequestError
-from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.forward_batch import ForwardBatch, LogitsRows
 from pegainfer.core.kv_cache import (
     ArenaSpec,
     KVCache,
@@ -136,6 +136,11 @@ class EngineCore:
             raise ConfigError(
                 f"the {line.name!r} model line does not use these arguments: {', '.join(ignored)}"
             )
+        if args.data_parallel_size > 1 and not line.supports_data_parallel:
+            raise ConfigError(
+                f"the {line.name!r} model line does not run data-parallel attention "
+                "(--data-parallel-size): it has no experts for the ranks to share"
+            )
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, model_config, device)
         logger.info(
@@ -231,9 +236,9 @@ class EngineCore:
         )
         self.graphs: DecodeGraphs | None = None
         if buckets:
-            graph_spec = GraphSpec(buckets, num_blocks, args.block_size,
-                                   num_slots - 1 if states else None,
-                                   self.data_parallel_size)  # fmt: skip
+            graph_spec = GraphSpec(
+                buckets, num_blocks, args.block_size, num_slots - 1 if states else None
+            )
             if self.ranks is not None:
                 self.ranks.capture_graphs(graph_spec)
             self.graphs = graph_spec.graphs(self.model, self.kv_cache, device)
@@ -273,7 +278,8 @@ class EngineCore:
             )
             for _ in range(self.data_parallel_size)
         ]
-        #: Rank 0's (the only one but with data-parallel attention: `scheduler.ranks`).
+        #: The block manager (rank 0's with data-parallel attention; `scheduler.ranks` holds
+        #: every rank's scheduler and its block manager).
         self.block_manager = schedulers[0].blocks
         self.scheduler: Scheduler | DataParallelScheduler = schedulers[0]
         if self.data_parallel_size > 1:
@@ -490,7 +496,7 @@ class EngineCore:
 
     @staticmethod
     def _score_prompts(
-        step: SchedulerStep, batch: ForwardBatch, logits: torch.Tensor
+        step: SchedulerStep, batch: ForwardBatch | LogitsRows, logits: torch.Tensor
     ) -> list[tuple[Request, int, list[int], ScoredTokens]]:
         """Each prompt-logprobs chunk's rows score the prompt tokens after them."""
         scored = []
@@ -540,10 +546,10 @@ class EngineCore:
 
     def _forward_batch(
         self, step: SchedulerStep, fed: bool = False
-    ) -> tuple[ForwardBatch, ForwardBatch]:
-        """The step's batch for this rank, and the batch whose logits rows the forward returns:
-        the same one, except with data-parallel attention, where every rank returns every
-        rank's rows in rank order (a host-side batch of the whole step tells which are which).
+    ) -> tuple[ForwardBatch, ForwardBatch | LogitsRows]:
+        """The step's batch for this rank, and what the rows of the logits the forward returns
+        are: the batch's, except with data-parallel attention, where rank 0's forward returns
+        every rank's rows in rank order.
         With parallel ranks the plans go to the others first (`fed`: the input ids of requests
         with a pending token follow once fed)."""
         device = self.config.device
@@ -553,11 +559,10 @@ class EngineCore:
                 self.ranks.run(plan, fed)
             batch = ForwardBatch.build(**plan, device=device)
             return batch, batch
-        dummy = self.kv_cache.num_blocks - 1
-        plans = rank_plans([self._plan(part.chunks) for part in step.parts], dummy, self.graphs)
+        parts = [self._plan(part.chunks) for part in step.parts]
+        plans = rank_plans(parts, self.kv_cache.num_blocks - 1, self.graphs)
         self.ranks.run_each(plans[1:])
-        whole = ForwardBatch.build(**self._plan(step.chunks), device=torch.device("cpu"))
-        return ForwardBatch.build(**plans[0], device=device), whole
+        return ForwardBatch.build(**plans[0], device=device), LogitsRows.of(parts)
 
     def _plan(self, step_chunks: list[ScheduledChunk]) -> dict[str, Any]:
         """`ForwardBatch.build`'s arguments for these chunks."""

@@ -46,18 +46,16 @@ def exchange(
     place = needs.long().cumsum(0) - 1 + torch.arange(world, device=device) * capacity
     spill = world * capacity
     dest = torch.where(needs, place, spill).flatten()
-    send = x.new_zeros(spill + 1, hidden)
-    send[dest] = _per_peer(x, world)
-    # Each row's experts (int32 bits) and weights travel together in one float32 message.
-    meta = torch.cat((experts.int().view(torch.float32), weights.float()), dim=1)
-    send_meta = torch.cat((torch.full((spill + 1, top_k), -1, dtype=torch.int32, device=device)
-                           .view(torch.float32),
-                           torch.zeros(spill + 1, top_k, device=device)), dim=1)  # fmt: skip
-    send_meta[dest] = _per_peer(meta, world)
+    # A row: the token, then its experts (int32 bits) and weights (float32) as x's dtype.
+    meta = torch.cat((experts.int().view(torch.float32), weights.float()), dim=1).view(x.dtype)
+    send = x.new_zeros(spill + 1, hidden + meta.shape[1])
+    send[:, hidden : hidden + meta.shape[1] // 2].view(torch.int32).fill_(-1)  # padding: none
+    send[dest] = _per_peer(torch.cat((x, meta), dim=1), world)
     received = group.all_to_all(send[:spill])
-    received_meta = group.all_to_all(send_meta[:spill])
+    received_meta = received[:, hidden:].contiguous().view(torch.float32)
     received_experts = received_meta[:, :top_k].contiguous().view(torch.int32)
-    results = compute(received, received_meta[:, top_k:].contiguous(), received_experts)
+    results = compute(received[:, :hidden].contiguous(), received_meta[:, top_k:].contiguous(),
+                      received_experts)  # fmt: skip
     returned = torch.cat((group.all_to_all(results), results.new_zeros(1, hidden)))
     return returned[dest].view(tokens, world, hidden).float().sum(dim=1).to(x.dtype)
 

@@ -114,30 +114,19 @@ class ForwardBatch:
         slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_rows: list[int] = []
-        chunk_logits: list[int | None] = []
-        every = every_row or [False] * len(token_chunks)
-        for chunk, start, table, sample, all_rows in zip(
-            token_chunks, start_positions, block_tables, sample_mask, every, strict=True
-        ):
+        for chunk, start, table in zip(token_chunks, start_positions, block_tables, strict=True):
             input_ids.extend(chunk)
             for pos in range(start, start + len(chunk)):
                 positions.append(pos)
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
             query_start.append(query_start[-1] + len(chunk))
             seq_lens.append(start + len(chunk))
-            chunk_logits.append(len(logits_indices) if all_rows else None)
-            if all_rows:
-                logits_indices.extend(range(query_start[-2], query_start[-1]))
-            elif sample:
-                logits_indices.append(query_start[-1] - 1)
-            if sample:
-                sample_rows.append(len(logits_indices) - 1)
+        every = every_row or [False] * len(token_chunks)
+        logits_indices, sample_rows, chunk_logits = logits_rows(
+            [len(chunk) for chunk in token_chunks], sample_mask, every
+        )
         # One host tensor, one (pinned, asynchronous) copy to the device.
         state_slots = [] if state_slots is None else list(state_slots)
-        if not any(every):
-            sample_rows = []  # the logits rows are the sampling rows
         host = torch.tensor(
             input_ids + positions + slots + logits_indices + state_slots + sample_rows,
             dtype=torch.int64,
@@ -169,3 +158,45 @@ class ForwardBatch:
             chunk_logits_cpu=chunk_logits,
             data_parallel=data_parallel,
         )
+
+
+def logits_rows(
+    lengths: list[int], sample_mask: list[bool], every_row: list[bool]
+) -> tuple[list[int], list[int], list[int | None]]:
+    """For chunks of `lengths` tokens, flattened: the token rows whose logits are wanted (every
+    row of an `every_row` chunk, else the last row of a sampling chunk); which of those logits
+    rows sample (empty when no chunk wants every row: then all of them do); and each chunk's
+    first logits row when it wants every row (None otherwise)."""
+    wanted: list[int] = []
+    sampling: list[int] = []
+    first_rows: list[int | None] = []
+    end = 0
+    for length, sample, all_rows in zip(lengths, sample_mask, every_row, strict=True):
+        end += length
+        first_rows.append(len(wanted) if all_rows else None)
+        if all_rows:
+            wanted.extend(range(end - length, end))
+        elif sample:
+            wanted.append(end - 1)
+        if sample:
+            sampling.append(len(wanted) - 1)
+    return wanted, sampling if any(every_row) else [], first_rows
+
+
+@dataclass(frozen=True)
+class LogitsRows:
+    """Which rows of a step's logits sample and which score prompts (`ForwardBatch`'s
+    `sample_rows` and `chunk_logits_cpu`), for a step whose logits are not one batch's:
+    data-parallel attention's, every rank's rows in rank order."""
+
+    sample_rows: torch.Tensor | None
+    chunk_logits_cpu: list[int | None]
+
+    @classmethod
+    def of(cls, plans: list[dict]) -> LogitsRows:
+        """The rows of these `ForwardBatch.build` plans' batches, one after another."""
+        lengths = [len(chunk) for plan in plans for chunk in plan["token_chunks"]]
+        sample_mask = [sample for plan in plans for sample in plan["sample_mask"]]
+        every_row = [every for plan in plans for every in plan["every_row"]]
+        _, sampling, first_rows = logits_rows(lengths, sample_mask, every_row)
+        return cls(torch.tensor(sampling) if any(every_row) else None, first_rows)

@@ -86,7 +86,8 @@ def profile_step_peak(
     with torch.inference_mode():
         model.prepare(batch)
         logits = model(batch, scratch)
-        rows = logits.shape[0]  # with data-parallel attention, every rank's rows
+        # With data-parallel attention rank 0 samples every rank's rows, the others none.
+        rows = logits.shape[0]
         probe = SamplingBatch(
             temperature=torch.ones(rows),
             top_k=torch.full((rows,), 20),
@@ -95,7 +96,8 @@ def profile_step_peak(
             generators=[torch.Generator(device)] * rows,
             banned=[frozenset()] * rows,
         ).to(device)
-        sample(logits, probe)
+        if rows:
+            sample(logits, probe)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - resident - scratch.nbytes
     del scratch, batch, logits

@@ -135,6 +135,10 @@ class ModelLine(ABC):
     #: not for recurrent layers until their states are checkpointed); if not, the engine runs
     #: the line with prefix caching off.
     supports_prefix_caching: bool = True
+    #: Whether the model runs data-parallel attention (`ModelContext.data_parallel`): its
+    #: forward exchanges tokens with the other ranks where they meet (MoE layers) and returns
+    #: every rank's logits rows on rank 0, none elsewhere (`--data-parallel-size`).
+    supports_data_parallel: bool = False
     #: The chat answer parsers this family's output needs, by registered name (plugins.py);
     #: the server uses them unless told otherwise.
     reasoning_parser: str | None = None

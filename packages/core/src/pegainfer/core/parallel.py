@@ -56,7 +56,7 @@ class ParallelGroup:
         padded to the most rows for the all-gather)."""
         if self.world_size == 1:
             return x
-        padded = x.new_zeros(max(rows), *x.shape[1:])
+        padded = x.new_zeros(max(*rows, 1), *x.shape[1:])  # NCCL gets no empty buffers
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded, group=self.group)

@@ -125,11 +125,10 @@ class GraphSpec:
     dummy_block: int
     block_size: int
     dummy_slot: int | None
-    data_parallel_size: int = 1
 
     def graphs(self, model: Model, cache: KVCache, device: torch.device) -> DecodeGraphs:
         return DecodeGraphs(model, cache, self.buckets, self.dummy_block, self.block_size,
-                            device, self.dummy_slot, self.data_parallel_size)  # fmt: skip
+                            device, self.dummy_slot)  # fmt: skip
 
 
 def rank_device(device: str, rank: int) -> torch.device:

@@ -13,6 +13,7 @@ from pegainfer.models.deepseek.config import DeepseekConfig
 class DeepseekLine(ModelLine):
     name = "deepseek"
     unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
+    supports_data_parallel = True
 
     def probe(self, config: dict[str, Any]) -> Probe:
         model_type = config.get("model_type")

@@ -10,7 +10,8 @@ all-reduce sums routed and shared outputs; the latent cache is whole on every ra
 With data-parallel attention (`ModelContext.data_parallel`) each rank holds every weight but
 the routed experts, of which it holds a range, and runs its own sequences (its own latent
 cache): each MoE layer sends tokens to their experts' ranks and back (`core.expert_parallel`),
-and the final rows of every rank are gathered so that each rank computes every rank's logits.
+and every rank's final rows are gathered to compute every rank's logits on rank 0 (the
+others return none).
 
 Each cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per
 layer) and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA
@@ -384,4 +385,6 @@ class DeepseekV2ForCausalLM(Model):
         x, _ = elementwise.add_rms_norm(hidden[rows], residual[rows], self.norm, eps)
         x = self.data_parallel.gather_rows(x, counts.rows)  # every rank's rows, in rank order
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.data_parallel.rank > 0:  # rank 0 samples every rank's rows
+            return x.new_empty(0, self.vocab_size, dtype=torch.float32)
         return parallel.vocab_parallel_logits(x, head, self.group).float()

@@ -15,9 +15,7 @@ class Qwen3Line(ModelLine):
     reasoning_parser = "qwen3"  # <think>…</think>
     tool_call_parser = "hermes"
     # No recurrent layers, no experts.
-    unsupported_args = frozenset(
-        {"state_checkpoints", "enable_expert_parallel", "data_parallel_size"}
-    )
+    unsupported_args = frozenset({"state_checkpoints", "enable_expert_parallel"})
 
     def probe(self, config: dict[str, Any]) -> Probe:
         model_type = config.get("model_type")

@@ -14,7 +14,7 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 class Qwen35Line(ModelLine):
     name = "qwen35"
-    unsupported_args = frozenset({"enable_expert_parallel", "data_parallel_size"})  # no experts
+    unsupported_args = frozenset({"enable_expert_parallel"})  # no experts
     reasoning_parser = "qwen3"  # <think>…</think>
     tool_call_parser = "qwen3_xml"
 
