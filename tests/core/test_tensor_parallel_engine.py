@@ -264,22 +264,47 @@ def test_the_engine_loop_stops_the_workers_when_it_ends(checkpoint):
     assert not any(worker.is_alive() for worker in engine.ranks.workers)
 
 
-def test_the_server_serves_with_two_ranks(tmp_path):
-    """`pegainfer-server --tensor-parallel-size 2` answers, and its workers end with it."""
+# The server's ranks: Qwen3 split by tensor parallelism, or DeepSeek's attention ranks.
+SERVED = {
+    "tensor": ("qwen3", ["--tensor-parallel-size", "2"]),
+    "data": ("deepseek", ["--data-parallel-size", "2", "--enable-expert-parallel"]),
+}
+
+
+def start_ranked_server(tmp_path: Path, layout: str, max_model_len: int):
+    from pegainfer.core.plugins import model_lines
+    from tests.server.conftest import start_server
+
+    line, flags = SERVED[layout]
+    model = tmp_path / "tiny"
+    next(m for m in model_lines() if m.name == line).write_tiny_checkpoint(model)
+    return start_server(model, tmp_path / "log", "--device", "cpu", "--max-model-len",
+                        str(max_model_len), *flags)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(SERVED))
+def test_the_server_serves_with_two_ranks(tmp_path, layout):
+    """`pegainfer-server` with two ranks answers concurrent requests (with data-parallel
+    attention, on both ranks), and its workers end with it."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import openai
 
-    from pegainfer.models.qwen3.line import Qwen3Line
-    from tests.server.conftest import start_server, stop_server
+    from tests.server.conftest import stop_server
 
-    model = tmp_path / "tiny"
-    Qwen3Line().write_tiny_checkpoint(model)
-    server = start_server(model, tmp_path / "log", "--device", "cpu", "--max-model-len", "256",
-                          "--tensor-parallel-size", "2")  # fmt: skip
+    server = start_ranked_server(tmp_path, layout, 256)
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="none")
-        reply = client.completions.create(model=server.model, prompt="Hello", max_tokens=5,
-                                          temperature=0)  # fmt: skip
-        assert reply.usage.completion_tokens == 5
+
+        def complete(prompt: str) -> int:
+            reply = client.completions.create(
+                model=server.model, prompt=prompt, max_tokens=5, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return reply.usage.completion_tokens
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(complete, ["Hello", "Hi there", "Once", "A"])) == [5] * 4
         workers = _descendants(server.process.pid)
         assert workers  # the rank-1 worker (and spawn's helper)
     finally:
@@ -292,8 +317,9 @@ def test_the_server_serves_with_two_ranks(tmp_path):
     assert not alive, f"processes outlived the server: {alive}"
 
 
+@pytest.mark.parametrize("layout", sorted(SERVED))
 def test_a_rank_dying_mid_request_ends_it_with_an_error_and_the_server_reports_unhealthy(
-    tmp_path,
+    tmp_path, layout
 ):
     """The stream in flight ends with an `engine_error` event (it never hangs), /health turns
     503, and a new request is refused."""
@@ -301,13 +327,9 @@ def test_a_rank_dying_mid_request_ends_it_with_an_error_and_the_server_reports_u
 
     import httpx
 
-    from pegainfer.models.qwen3.line import Qwen3Line
-    from tests.server.conftest import start_server, stop_server
+    from tests.server.conftest import stop_server
 
-    model = tmp_path / "tiny"
-    Qwen3Line().write_tiny_checkpoint(model)
-    server = start_server(model, tmp_path / "log", "--device", "cpu", "--max-model-len", "4096",
-                          "--tensor-parallel-size", "2")  # fmt: skip
+    server = start_ranked_server(tmp_path, layout, 4096)
     try:
         body = {"model": server.model, "prompt": "Hello", "max_tokens": 2000, "stream": True,
                 "ignore_eos": True, "temperature": 0}  # fmt: skip
