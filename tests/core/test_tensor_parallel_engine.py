@@ -88,12 +88,15 @@ def assert_scores_close(got: list, expected: list) -> None:
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-@pytest.mark.parametrize("lora", [{}, {"q_lora_rank": 24}], ids=["q", "q-lora"])
-def test_two_attention_ranks_generate_what_one_does(tmp_path, lora):
+@pytest.mark.parametrize(("lora", "async_scheduling"),
+                         [({}, False), ({"q_lora_rank": 24}, False), ({}, True)],
+                         ids=["q", "q-lora", "q-async"])  # fmt: skip
+def test_two_attention_ranks_generate_what_one_does(tmp_path, lora, async_scheduling):
     """DeepSeek with data-parallel attention: the three requests spread over two ranks (two
     on rank 0), prompts chunked over steps where the other rank decodes or idles (its dummy
     token still joins the experts' all-to-all), each MoE layer's tokens exchanged with the
-    experts' rank; greedy tokens, their logprobs and the prompts' equal one process's."""
+    experts' rank; greedy tokens, their logprobs and the prompts' equal one process's. Under
+    async scheduling each rank's decode rows take their ids from rank 0's broadcast."""
     from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
 
     path = write_deepseek(tmp_path / "deepseek", **lora)
@@ -101,7 +104,7 @@ def test_two_attention_ranks_generate_what_one_does(tmp_path, lora):
                             prompt_logprobs=2)  # fmt: skip
     expected = scored_outputs(make_engine(path), prompts(), params)
     engine = make_engine(path, data_parallel_size=2, enable_expert_parallel=True,
-                         max_num_batched_tokens=24)  # fmt: skip
+                         max_num_batched_tokens=24, async_scheduling=async_scheduling)  # fmt: skip
     try:
         assert_scores_close(scored_outputs(engine, prompts(), params), expected)
         # "late" on rank 0, "gone" on rank 1, aborted mid-prompt: rank 1 then idles.
@@ -423,7 +426,6 @@ def test_data_parallel_attention_is_refused_for_a_line_that_does_not_declare_it(
 @pytest.mark.parametrize(("args", "error"), [
     ({}, "needs --enable-expert-parallel"),
     ({"enable_expert_parallel": True, "tensor_parallel_size": 2}, "not supported yet"),
-    ({"enable_expert_parallel": True, "async_scheduling": True}, "--async-scheduling"),
 ])  # fmt: skip
 def test_what_data_parallel_attention_does_not_cover_is_refused(args, error):
     from pegainfer.core.args import EngineArgs

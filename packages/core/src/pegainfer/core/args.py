@@ -138,8 +138,6 @@ class EngineArgs:
                 raise ConfigError(
                     "--data-parallel-size with --tensor-parallel-size is not supported yet"
                 )
-            if self.async_scheduling:
-                raise ConfigError("--async-scheduling does not work with --data-parallel-size yet")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"block_size must be a power of two up to 256, got {self.block_size}")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):

@@ -19,7 +19,7 @@ from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.cuda_graphs import DecodeGraphs, graph_buckets
 from pegainfer.core.data_parallel import DataParallelScheduler, rank_plans
 from pegainfer.core.errors import ConfigError, InvalidRequestError
-from pegainfer.core.forward_batch import ForwardBatch, LogitsRows
+from pegainfer.core.forward_batch import Feed, ForwardBatch, LogitsRows
 from pegainfer.core.kv_cache import (
     ArenaSpec,
     KVCache,
@@ -107,19 +107,27 @@ class _Launched:
         default_factory=list
     )
 
-    def feed(self, step: SchedulerStep, batch: ForwardBatch) -> None:
-        """Give the next step the tokens it needs from this one, device to device: a request
-        scheduled with a pending token (the one this step samples) has it as its last input."""
-        rows, sources = [], []
-        starts = batch.query_start_loc_cpu.tolist()
-        for i, chunk in enumerate(step.chunks):
+    def fed_ids(self, step: SchedulerStep) -> torch.Tensor:
+        """The tokens this step samples that `step` feeds (its requests' pending ones), in
+        chunk order, on the device."""
+        sources = [self.rows[id(c.request)] for c in step.chunks if c.request.num_pending]
+        return self.tokens[torch.tensor(sources, device=self.tokens.device)]
+
+
+def _feeds(step: SchedulerStep) -> list[Feed]:
+    """Each rank's rows fed by the step in flight (one rank's unless `step` has `parts`): a
+    request scheduled with a pending token (the one that step samples) has it as its last
+    input."""
+    feeds, start = [], 0
+    for part in step.parts or [step]:
+        rows, end = [], 0
+        for chunk in part.chunks:
+            end += chunk.num_tokens
             if chunk.request.num_pending:
-                rows.append(starts[i + 1] - 1)
-                sources.append(self.rows[id(chunk.request)])
-        if rows:
-            device = batch.input_ids.device
-            index = torch.tensor(sources, device=device)
-            batch.input_ids[torch.tensor(rows, device=device)] = self.tokens[index]
+                rows.append(end - 1)
+        feeds.append((tuple(rows), start))
+        start += len(rows)
+    return [Feed(rows, first, start) for rows, first in feeds]
 
 
 class EngineCore:
@@ -468,11 +476,13 @@ class EngineCore:
     def _launch(self, step: SchedulerStep) -> _Launched:
         """Queue the step's forward and sampling on the device; nothing waits for the GPU."""
         fed = self._in_flight is not None and any(c.request.num_pending for c in step.chunks)
-        batch, rows = self._forward_batch(step, fed)
-        if fed:
-            self._in_flight.feed(step, batch)
-            if self.ranks is not None:  # the other ranks' batches lack the fed ids
-                self.ranks.share_inputs(batch.input_ids)
+        feeds = _feeds(step) if fed else None
+        batch, rows = self._forward_batch(step, feeds)
+        if feeds is not None:
+            fed_ids = self._in_flight.fed_ids(step)
+            if self.ranks is not None:  # the other ranks' batches lack them
+                self.ranks.share_inputs(fed_ids)
+            feeds[0].apply(batch, fed_ids)
         if self.offload is not None:
             self.offload.before_step(
                 self.block_manager.take_handed_out(), self.scheduler.take_reused_checkpoint_slots()
@@ -545,23 +555,23 @@ class EngineCore:
         return outputs
 
     def _forward_batch(
-        self, step: SchedulerStep, fed: bool = False
+        self, step: SchedulerStep, feeds: list[Feed] | None = None
     ) -> tuple[ForwardBatch, ForwardBatch | LogitsRows]:
         """The step's batch for this rank, and what the rows of the logits the forward returns
         are: the batch's, except with data-parallel attention, where rank 0's forward returns
         every rank's rows in rank order.
-        With parallel ranks the plans go to the others first (`fed`: the input ids of requests
-        with a pending token follow once fed)."""
+        With parallel ranks the plans go to the others first (`feeds`: each rank's rows whose
+        ids the step in flight samples, which follow by broadcast)."""
         device = self.config.device
         if self.data_parallel_size == 1:
             plan = self._plan(step.chunks)
             if self.ranks is not None:
-                self.ranks.run(plan, fed)
+                self.ranks.run(plan, feeds and feeds[0])
             batch = ForwardBatch.build(**plan, device=device)
             return batch, batch
         parts = [self._plan(part.chunks) for part in step.parts]
         plans = rank_plans(parts, self.kv_cache.num_blocks - 1, self.graphs)
-        self.ranks.run_each(plans[1:])
+        self.ranks.run_each(plans[1:], feeds and feeds[1:])
         return ForwardBatch.build(**plans[0], device=device), LogitsRows.of(parts)
 
     def _plan(self, step_chunks: list[ScheduledChunk]) -> dict[str, Any]:

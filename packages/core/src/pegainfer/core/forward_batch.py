@@ -30,6 +30,22 @@ class DataParallelCounts:
         return cls((tokens,) * world, (rows,) * world)
 
 
+@dataclass(frozen=True)
+class Feed:
+    """Async scheduling: the rows of a rank's batch whose input is a token the step still in
+    flight samples. Those tokens stay on the device and reach every rank as one broadcast of
+    `total` ids, this rank's `len(rows)` of them from `start`."""
+
+    rows: tuple[int, ...]
+    start: int
+    total: int
+
+    def apply(self, batch: ForwardBatch, fed_ids: torch.Tensor) -> None:
+        if self.rows:
+            rows = torch.tensor(self.rows, device=batch.input_ids.device)
+            batch.input_ids[rows] = fed_ids[self.start : self.start + len(self.rows)]
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64

@@ -23,7 +23,7 @@ that will never complete (a replayed graph's collectives are outside NCCL's watc
 time limit, `collective_timeout()`; eager ones time out). A worker exits at once on any
 error or when rank 0's process ends, and the ranks leave their group with graphs gone first
 and a time limit. Under async scheduling, a step's decode rows take the ids the step before
-samples on rank 0: rank 0 broadcasts them once fed.
+samples on rank 0: rank 0 broadcasts them, and each rank writes them into its rows.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import torch.multiprocessing as mp
 
 from pegainfer.core.cuda_graphs import DecodeGraphs
 from pegainfer.core.errors import ConfigError, PegainferError
-from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.forward_batch import Feed, ForwardBatch
 from pegainfer.core.kv_cache import KVCache
 from pegainfer.core.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.model_line import Model, ModelContext, RuntimeConfig
@@ -244,10 +244,12 @@ def _serve(model: Model, device: torch.device, inbox: Connection) -> None:
         while (message := pickle.loads(inbox.recv_bytes())) is not None:
             kind, detail = message
             if kind == "step":
-                plan, fed = detail
+                plan, feed = detail
                 batch = ForwardBatch.build(**plan, device=device)
-                if fed:  # async scheduling: ids sampled by the step still in flight
-                    dist.broadcast(batch.input_ids, src=0)
+                if feed is not None:  # async scheduling: ids sampled by the step in flight
+                    fed_ids = torch.empty(feed.total, dtype=torch.int64, device=device)
+                    dist.broadcast(fed_ids, src=0)
+                    feed.apply(batch, fed_ids)
                 if graphs is not None and graphs.can_run(batch):
                     graphs.run(batch)
                 else:
@@ -376,25 +378,26 @@ class TensorParallelRanks:
     def capture_graphs(self, spec: GraphSpec) -> None:
         self._send("graphs", spec)
 
-    def run(self, plan: dict[str, Any], fed: bool = False) -> None:
-        """Have every worker run the step `plan` describes (rank 0 runs it next). `fed`: the
-        batch's input ids follow (`share_inputs`) once rank 0 has fed it the tokens the step
-        in flight samples (async scheduling)."""
-        self._send("step", (plan, fed))
+    def run(self, plan: dict[str, Any], feed: Feed | None = None) -> None:
+        """Have every worker run the step `plan` describes (rank 0 runs it next). `feed`: the
+        rows whose ids the step in flight samples, which rank 0 broadcasts next
+        (`share_inputs`; async scheduling)."""
+        self._send("step", (plan, feed))
 
-    def run_each(self, plans: list[dict[str, Any]]) -> None:
+    def run_each(self, plans: list[dict[str, Any]], feeds: list[Feed] | None = None) -> None:
         """Have worker `r` run the step `plans[r - 1]` describes (data-parallel attention: each
-        rank its own sequences; rank 0 runs its own next)."""
+        rank its own sequences; rank 0 runs its own next), fed as `feeds[r - 1]` says."""
 
         def post() -> None:
-            for outbox, plan in zip(self._outboxes, plans, strict=True):
-                outbox.send_bytes(pickle.dumps(("step", (plan, False)),
-                                               protocol=pickle.HIGHEST_PROTOCOL))  # fmt: skip
+            for r, (outbox, plan) in enumerate(zip(self._outboxes, plans, strict=True)):
+                message = ("step", (plan, feeds and feeds[r]))
+                outbox.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
         self._collective(post)
 
-    def share_inputs(self, input_ids: torch.Tensor) -> None:
-        self._collective(lambda: dist.broadcast(input_ids, src=0))
+    def share_inputs(self, fed_ids: torch.Tensor) -> None:
+        """Broadcast the ids the step in flight samples that this step's batches take."""
+        self._collective(lambda: dist.broadcast(fed_ids, src=0))
 
     def _send(self, kind: str, detail: Any) -> None:
         self._collective(lambda: self._post((kind, detail)))
