@@ -81,7 +81,8 @@ LAYOUTS = {
 @pytest.mark.parametrize(("line", "layout", "async_scheduling"),
                          [("qwen3", "tensor", False), ("qwen3", "tensor", True),
                           ("qwen35", "tensor", False), ("deepseek", "tensor", False),
-                          ("deepseek", "expert", False), ("deepseek", "data", False)])  # fmt: skip
+                          ("deepseek", "expert", False), ("deepseek", "data", False),
+                          ("deepseek", "data", True)])  # fmt: skip
 def test_two_gpus_generate_what_one_does(checkpoints, line, layout, async_scheduling):
     """DeepSeek with each routed expert's width split, the experts divided between the GPUs
     (expert parallel), or attention data-parallel (each GPU its own requests, tokens sent to
