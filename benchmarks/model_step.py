@@ -250,9 +250,9 @@ def prefix_hit_time(engine: EngineCore, tokens: int, reps: int, profile_path: Pa
     g = torch.Generator().manual_seed(7 * tokens)
     prompt = torch.randint(0, VOCAB, (tokens,), generator=g).tolist()
     ids = itertools.count()
-    counters = engine.scheduler.counters
 
     def serve_once() -> None:
+        counters = engine.scheduler.counters  # a snapshot with data-parallel attention
         hits, host_hits = counters.prefix_hits, counters.prefix_hits_host
         submit(engine, f"hit{tokens}-{next(ids)}", prompt, 1)
         if engine.offload is None:
@@ -260,8 +260,9 @@ def prefix_hit_time(engine: EngineCore, tokens: int, reps: int, profile_path: Pa
         else:
             while engine.has_unfinished_requests:  # steps that launch nothing until it lands
                 engine.step()
-            assert counters.prefix_hits_host - host_hits >= tokens - engine.config.block_size
-        assert counters.prefix_hits - hits >= tokens - engine.config.block_size
+            assert (engine.scheduler.counters.prefix_hits_host - host_hits
+                    >= tokens - engine.config.block_size)  # fmt: skip
+        assert engine.scheduler.counters.prefix_hits - hits >= tokens - engine.config.block_size
 
     submit(engine, f"fill{tokens}", prompt, 1)
     while engine.requests:

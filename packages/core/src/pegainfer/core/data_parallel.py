@@ -46,6 +46,7 @@ class DataParallelScheduler:
 
     @property
     def counters(self) -> SchedulerCounters:
+        """The ranks' counters summed, as of now (a snapshot, not a live object)."""
         total = SchedulerCounters()
         for rank in self.ranks:
             for name, value in vars(rank.counters).items():
