@@ -1,6 +1,7 @@
-"""The ranks of a tensor-parallel engine: rank 0 is the engine's own process (scheduler,
-sampler, rank 0's share of the model); ranks 1..N-1 are worker processes it starts, each
-holding its share of the model and of the KV cache, on GPU `rank` (CUDA) or the CPU. Every
+"""The ranks of a parallel engine (tensor-parallel, or data-parallel attention): rank 0 is
+the engine's own process (scheduler, sampler, rank 0's share of the model); ranks 1..N-1 are
+worker processes it starts, each holding its share of the model and of the KV cache (with
+data-parallel attention, its own sequences' cache), on GPU `rank` (CUDA) or the CPU. Every
 rank loads its share of the weights before the ranks join, so the workers' start (spawn,
 imports) overlaps rank 0's loading.
 
@@ -9,8 +10,9 @@ collective of the forward pass meets its peers: set up the per-step machinery (`
 size the KV cache (on GPUs every rank runs the profiling step, which all-reduces, and the
 smallest block count wins), allocate it, capture the decode CUDA graphs (the same buckets in
 the same order on every rank: their warm-up steps all-reduce), then per step the step's plan
-(the arguments of `ForwardBatch.build`). Every rank runs the forward, replaying a graph exactly
-when rank 0 does (`DecodeGraphs.can_run` is a function of the plan); only rank 0 samples.
+(the arguments of `ForwardBatch.build`; with data-parallel attention, each rank its own).
+Every rank runs the forward, replaying a graph exactly when rank 0 does (`DecodeGraphs.can_run`
+is a function of the plan); only rank 0 samples.
 
 The forward's collectives go over one process group (NCCL on GPUs, gloo on the CPU); rank 0's
 messages go down a pipe to each worker, pickled: writing one costs rank 0 microseconds and
@@ -82,7 +84,7 @@ def keep_multicast_off() -> dict[str, str]:
 
 
 class RankFailedError(PegainferError):
-    """A tensor-parallel worker process exited or stopped answering."""
+    """A parallel worker process exited or stopped answering."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def _widen(outbox: Connection) -> None:
     try:
         fcntl.fcntl(outbox.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
     except OSError as exc:  # above /proc/sys/fs/pipe-max-size: large plans wait for the reader
-        logger.info("the tensor-parallel pipe keeps its default size: %s", exc)
+        logger.info("the parallel ranks' pipe keeps its default size: %s", exc)
 
 
 def _init(rank: int, world: int, store: dist.Store, device: torch.device) -> None:
@@ -182,13 +184,13 @@ def _leave(seconds: float = 10.0) -> None:
         try:
             dist.destroy_process_group()
         except Exception as exc:  # e.g. a communicator aborted after a rank died
-            logger.warning("leaving the tensor-parallel process group: %s", exc)
+            logger.warning("leaving the parallel ranks' process group: %s", exc)
 
     teardown = threading.Thread(target=destroy, daemon=True)
     teardown.start()
     teardown.join(seconds)
     if teardown.is_alive():
-        logger.warning("the tensor-parallel process group did not close in %.0f s", seconds)
+        logger.warning("the parallel ranks' process group did not close in %.0f s", seconds)
 
 
 def _smallest(value: int, device: torch.device) -> int:
@@ -329,14 +331,14 @@ class TensorParallelRanks:
             for rank, worker in enumerate(self.workers, start=1):
                 if not worker.is_alive():
                     raise RankFailedError(
-                        f"tensor-parallel rank {rank} exited (code {worker.exitcode}) before "
+                        f"parallel rank {rank} exited (code {worker.exitcode}) before "
                         "joining; its output above says why"
                     )
             if checked_in:
                 return
             if time.monotonic() > deadline:
                 raise RankFailedError(
-                    f"tensor-parallel workers did not load their weights and check in within "
+                    f"parallel workers did not load their weights and check in within "
                     f"{seconds:.0f} s of rank 0 (PEGAINFER_TP_TIMEOUT_S)"
                 )
             time.sleep(_POLL_S)
@@ -352,7 +354,7 @@ class TensorParallelRanks:
         if not self._open:
             return
         rank = sentinels[ended[0]]
-        self.failed = f"tensor-parallel rank {rank} exited mid-run"
+        self.failed = f"parallel rank {rank} exited mid-run"
         logger.error("%s; stopping the other ranks", self.failed)
         for worker in self.workers:
             worker.kill()
@@ -413,13 +415,13 @@ class TensorParallelRanks:
         for rank, worker in enumerate(self.workers, start=1):
             if not worker.is_alive():
                 raise RankFailedError(
-                    f"tensor-parallel rank {rank} exited (code {worker.exitcode}); "
+                    f"parallel rank {rank} exited (code {worker.exitcode}); "
                     "the engine cannot continue"
                 )
         try:
             return call()
         except (RuntimeError, OSError) as exc:  # a peer vanished or a collective timed out
-            raise RankFailedError(f"a tensor-parallel rank stopped answering: {exc}") from exc
+            raise RankFailedError(f"a parallel rank stopped answering: {exc}") from exc
 
     def shutdown(self) -> None:
         """Stop the workers (None ends their loop), leave the process groups with them, and
@@ -434,7 +436,7 @@ class TensorParallelRanks:
             if self.failed is None and all(worker.is_alive() for worker in self.workers):
                 self._post(None)
         except OSError:
-            logger.warning("a tensor-parallel rank did not take the stop message")
+            logger.warning("a parallel rank did not take the stop message")
         try:
             _leave()
         finally:
