@@ -120,6 +120,23 @@ def test_two_attention_ranks_generate_what_one_does(tmp_path, lora, async_schedu
         engine.shutdown()
 
 
+def test_two_attention_ranks_score_a_long_prompt_that_samples_nothing_for_steps(tmp_path):
+    """A prompt longer than the step's budget asks for prompt logprobs: its first chunks score
+    prompt positions while no row of the step samples."""
+    from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
+
+    path = write_deepseek(tmp_path / "deepseek")
+    prompt = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    expected = scored_outputs(make_engine(path, max_num_batched_tokens=24), [prompt], params)
+    engine = make_engine(path, data_parallel_size=2, enable_expert_parallel=True,
+                         max_num_batched_tokens=24)  # fmt: skip
+    try:
+        assert_scores_close(scored_outputs(engine, [prompt], params), expected)
+    finally:
+        engine.shutdown()
+
+
 def test_workers_outlast_an_idle_spell_longer_than_the_collective_timeout(checkpoint,
                                                                         monkeypatch):  # fmt: skip
     """Workers wait for rank 0's next message as long as the server is idle: only the

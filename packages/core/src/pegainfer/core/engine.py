@@ -111,7 +111,8 @@ class _Launched:
         """The tokens this step samples that `step` feeds (its requests' pending ones), in
         chunk order, on the device."""
         sources = [self.rows[id(c.request)] for c in step.chunks if c.request.num_pending]
-        return self.tokens[torch.tensor(sources, device=self.tokens.device)]
+        # int64 whatever the sampler gave: the other ranks receive them as such.
+        return self.tokens[torch.tensor(sources, device=self.tokens.device)].long()
 
 
 def _feeds(step: SchedulerStep) -> list[Feed]:

@@ -215,4 +215,5 @@ class LogitsRows:
         sample_mask = [sample for plan in plans for sample in plan["sample_mask"]]
         every_row = [every for plan in plans for every in plan["every_row"]]
         _, sampling, first_rows = logits_rows(lengths, sample_mask, every_row)
-        return cls(torch.tensor(sampling) if any(every_row) else None, first_rows)
+        sample_rows = torch.tensor(sampling, dtype=torch.int64) if any(every_row) else None
+        return cls(sample_rows, first_rows)
