@@ -1,6 +1,6 @@
-"""The all-to-all expert exchange over two gloo ranks computes, for each rank's own tokens,
-what one process holding every expert does: tokens that need no remote expert, tokens that
-need both ranks, ranks with fewer tokens than the capacity."""
+"""The all-to-all expert exchange over two or three gloo ranks computes, for each rank's own
+tokens, what one process holding every expert does: tokens that need no remote expert, tokens
+that need several ranks, ranks with fewer tokens than the capacity."""
 
 from __future__ import annotations
 
@@ -42,21 +42,22 @@ def rank_inputs(rank: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, tor
     x = torch.randn(tokens, HIDDEN, generator=g)
     experts = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
     if tokens:
-        experts[0] = torch.tensor([0, 1])  # rank 0's experts only
-        experts[-1] = torch.tensor([5, 4])  # rank 1's only
+        experts[0] = torch.tensor([0, 1])  # the first rank's experts only
+        experts[-1] = torch.tensor([5, 4])  # the last rank's only
     weights = torch.rand(tokens, TOP_K, generator=g)
     return x, weights, experts.int()  # as the CUDA router gives them
 
 
-def _worker(rank: int, port: int, sizes: tuple[int, int], dtype: torch.dtype, out: str) -> None:
+def _worker(rank: int, port: int, sizes: tuple[int, ...], dtype: torch.dtype, out: str) -> None:
+    world = len(sizes)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+                            world_size=world)  # fmt: skip
     try:
         x, weights, experts = rank_inputs(rank, sizes[rank])
-        per_rank = EXPERTS // 2
+        per_rank = EXPERTS // world
         mine = expert_weights()[rank * per_rank : (rank + 1) * per_rank].to(dtype)
         x = x.to(dtype)
-        got = exchange(x, weights, experts, per_rank, max(sizes), ParallelGroup(rank, 2),
+        got = exchange(x, weights, experts, per_rank, max(sizes), ParallelGroup(rank, world),
                        linear_experts(rank * per_rank, mine))  # fmt: skip
         torch.save(got, Path(out) / f"rank{rank}.pt")
     finally:
@@ -65,12 +66,13 @@ def _worker(rank: int, port: int, sizes: tuple[int, int], dtype: torch.dtype, ou
 
 @pytest.mark.parametrize(("sizes", "dtype"), [
     ((5, 5), torch.float32), ((7, 2), torch.float32), ((1, 9), torch.float32),
-    ((7, 2), torch.bfloat16),
+    ((7, 2), torch.bfloat16), ((4, 8, 1), torch.float32),
 ])  # fmt: skip
 def test_the_exchange_equals_every_expert_in_one_process(tmp_path, sizes, dtype):
     """In bfloat16 the experts' ids and weights travel as pairs of bf16 columns."""
-    mp.spawn(_worker, args=(free_port(), sizes, dtype, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
+    mp.spawn(_worker, args=(free_port(), sizes, dtype, str(tmp_path)), nprocs=len(sizes),
+             join=True)  # fmt: skip
+    for rank in range(len(sizes)):
         x, weights, experts = rank_inputs(rank, sizes[rank])
         expected = linear_experts(0, expert_weights())(x, weights, experts)
         got = torch.load(tmp_path / f"rank{rank}.pt")
