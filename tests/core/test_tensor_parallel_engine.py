@@ -120,6 +120,25 @@ def test_two_attention_ranks_generate_what_one_does(tmp_path, lora, async_schedu
         engine.shutdown()
 
 
+def test_four_attention_ranks_generate_what_one_does(tmp_path):
+    """Three requests on four ranks (two experts each): one rank only ever runs dummy tokens,
+    and each token's two experts may sit on two other ranks."""
+    from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
+
+    path = write_deepseek(tmp_path / "deepseek")
+    expected = generate(make_engine(path), prompts(), greedy(6))
+    engine = make_engine(path, data_parallel_size=4, enable_expert_parallel=True,
+                         max_num_batched_tokens=24)  # fmt: skip
+    try:
+        for i, prompt in enumerate(prompts()):
+            submit(engine, str(i), prompt, greedy(6))
+        assert [len(rank.waiting) for rank in engine.scheduler.ranks] == [1, 1, 1, 0]
+        out = drain(engine)
+        assert [out[str(i)] for i in range(3)] == expected
+    finally:
+        engine.shutdown()
+
+
 def test_two_attention_ranks_score_a_long_prompt_that_samples_nothing_for_steps(tmp_path):
     """A prompt longer than the step's budget asks for prompt logprobs: its first chunks score
     prompt positions while no row of the step samples."""
