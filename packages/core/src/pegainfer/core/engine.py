@@ -582,7 +582,7 @@ class EngineCore:
             start = chunk.request.num_computed_tokens
             chunks.append(chunk.request.token_ids[start : start + chunk.num_tokens])
             starts.append(start)
-        plan = dict(
+        return dict(
             token_chunks=chunks,
             start_positions=starts,
             block_tables=[c.request.block_ids for c in step_chunks],
@@ -597,7 +597,6 @@ class EngineCore:
                 for c in step_chunks
             ],
         )
-        return plan
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters

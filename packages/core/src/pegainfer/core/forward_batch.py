@@ -73,7 +73,8 @@ class ForwardBatch:
     data_parallel: DataParallelCounts | None = None
 
     def parallel_counts(self, world: int) -> DataParallelCounts:
-        """This step's data-parallel counts: rank 0's, or the same size on every rank."""
+        """This step's data-parallel counts: those rank 0 planned, or (none planned: KV
+        sizing's profiling step, graph capture) this batch's size on every rank."""
         if self.data_parallel is not None:
             return self.data_parallel
         return DataParallelCounts.uniform(self.num_tokens, self.logits_indices.shape[0], world)
