@@ -19,7 +19,7 @@ from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.cuda_graphs import DecodeGraphs, graph_buckets
 from pegainfer.core.data_parallel import DataParallelScheduler, rank_plans
 from pegainfer.core.errors import ConfigError, InvalidRequestError
-from pegainfer.core.forward_batch import Feed, ForwardBatch, LogitsRows
+from pegainfer.core.forward_batch import Feed, ForwardBatch, LogitsRows, to_device
 from pegainfer.core.kv_cache import (
     ArenaSpec,
     KVCache,
@@ -96,7 +96,12 @@ def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> to
 
 @dataclass
 class _Launched:
-    """A step queued on the device whose sampled tokens have not reached the host."""
+    """A step queued on the device whose sampled tokens have not reached the host.
+
+    Its results are copied to the host as part of the step itself (non-blocking copies into
+    pinned memory, then an event): waiting for them waits for this step only, not for the
+    step launched after it, which a plain `.tolist()` on the stream would.
+    """
 
     step: SchedulerStep
     tokens: torch.Tensor  # one per sampling chunk, on the device
@@ -106,13 +111,34 @@ class _Launched:
     prompt_logprobs: list[tuple[Request, int, list[int], ScoredTokens]] = field(
         default_factory=list
     )
+    _host_tokens: torch.Tensor | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        """Start the copies to the host behind the step's work."""
+        self._host_tokens = self.tokens.to("cpu", non_blocking=True)
+        if self.logprobs is not None:
+            self.logprobs = (self.logprobs[0], self.logprobs[1].to_host_async())
+        self.prompt_logprobs = [
+            (request, position, targets, scores.to_host_async())
+            for request, position, targets, scores in self.prompt_logprobs
+        ]
+        if self.tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids, once they are on the host (waits for this step's copies)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host_tokens.tolist()
 
     def fed_ids(self, step: SchedulerStep) -> torch.Tensor:
         """The tokens this step samples that `step` feeds (its requests' pending ones), in
         chunk order, on the device."""
         sources = [self.rows[id(c.request)] for c in step.chunks if c.request.num_pending]
         # int64 whatever the sampler gave: the other ranks receive them as such.
-        return self.tokens[torch.tensor(sources, device=self.tokens.device)].long()
+        return self.tokens[to_device(sources, self.tokens.device)].long()
 
 
 def _feeds(step: SchedulerStep) -> list[Feed]:
@@ -495,7 +521,10 @@ class EngineCore:
             logits = self.model(batch, self.kv_cache)
         prompt_logprobs = self._score_prompts(step, rows, logits)
         if rows.sample_rows is not None:
-            logits = logits[rows.sample_rows.to(logits.device)]
+            sample_rows = rows.sample_rows
+            if sample_rows.device != logits.device:  # data-parallel attention: from the plans
+                sample_rows = to_device(sample_rows.tolist(), logits.device)
+            logits = logits[sample_rows]
         samplers = [c.request for c in step.chunks if c.samples]
         tokens = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
         logprobs = ScoredTokens.sampled(logits, tokens, samplers)
@@ -520,7 +549,7 @@ class EngineCore:
             targets = request.token_ids[start + 1 : end + 1]
             rows = torch.arange(first_row, first_row + len(targets), device=logits.device)
             count = request.params.prompt_logprobs or 0
-            target_ids = torch.tensor(targets, device=logits.device)
+            target_ids = to_device(targets, logits.device)
             scores = ScoredTokens.of(logits, rows, target_ids, [count] * len(targets))
             scored.append((request, start + 1, targets, scores))
         return scored
@@ -528,7 +557,7 @@ class EngineCore:
     def _commit(self, launched: _Launched) -> list[RequestOutput]:
         """Bring a launched step's tokens to the host (the step's one device-to-host copy) and
         report them."""
-        token_ids = launched.tokens.tolist()
+        token_ids = launched.token_ids()
         logprobs = {}
         if launched.logprobs is not None:
             rows, scores = launched.logprobs

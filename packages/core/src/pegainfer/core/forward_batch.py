@@ -13,6 +13,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on `device`, without waiting for the device: on CUDA
+    through pinned memory and a non-blocking copy (a plain `torch.tensor(..., device=cuda)`
+    synchronises the stream, which stalls a launch behind the step still running)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class DataParallelCounts:
     """Every data-parallel attention rank's share of one step: the ranks step together (their
@@ -42,7 +52,7 @@ class Feed:
 
     def apply(self, batch: ForwardBatch, fed_ids: torch.Tensor) -> None:
         if self.rows:
-            rows = torch.tensor(self.rows, device=batch.input_ids.device)
+            rows = to_device(list(self.rows), batch.input_ids.device)
             batch.input_ids[rows] = fed_ids[self.start : self.start + len(self.rows)]
 
 

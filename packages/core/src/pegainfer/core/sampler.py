@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pegainfer.core.forward_batch import to_device
 from pegainfer.core.messages import TokenLogprob
 from pegainfer.core.request import Request
 from pegainfer.core.structured_output import mask_logits
@@ -35,13 +36,13 @@ class Penalties:
         vocab = logits.shape[-1]
         if self.repetition != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(self.prompt_ids + self.output_ids, device=logits.device)] = True
+            seen[to_device(self.prompt_ids + self.output_ids, logits.device)] = True
             penalised = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
             logits.copy_(torch.where(seen, penalised, logits))
         if self.output_ids and (self.presence or self.frequency):
-            counts = torch.bincount(
-                torch.tensor(self.output_ids, device=logits.device), minlength=vocab
-            ).to(logits.dtype)
+            counts = torch.bincount(to_device(self.output_ids, logits.device), minlength=vocab).to(
+                logits.dtype
+            )
             logits -= self.frequency * counts + self.presence * (counts > 0).to(logits.dtype)
 
 
@@ -58,6 +59,11 @@ class SamplingBatch:
     biases: list[dict[int, float]] = field(default_factory=list)  # per row: logit_bias
     # Per row with penalties: (presence, frequency, repetition, prompt ids, output ids).
     penalties: list[Penalties | None] = field(default_factory=list)
+    #: Whether every row is greedy (read once, from the host tensor, before `to` moves it).
+    all_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_greedy = bool((self.temperature == 0).all())
 
     @classmethod
     def from_requests(
@@ -84,15 +90,13 @@ class SamplingBatch:
         ).to(device)
 
     def to(self, device: torch.device) -> SamplingBatch:
-        self.temperature = self.temperature.to(device)
-        self.top_k = self.top_k.to(device)
-        self.top_p = self.top_p.to(device)
-        self.min_p = self.min_p.to(device)
+        """The per-row tensors on `device`, copied without waiting for the device."""
+        if device.type == "cuda" and not self.temperature.is_cuda:
+            host = [t.pin_memory() for t in (self.temperature, self.top_k, self.top_p, self.min_p)]
+            self.temperature, self.top_k, self.top_p, self.min_p = (
+                t.to(device, non_blocking=True) for t in host
+            )
         return self
-
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
 
 
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -119,14 +123,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.clone()  # the caller's logits stay as they were
     for row, bias in enumerate(batch.biases):
         if bias:
-            ids = torch.tensor(list(bias), device=logits.device)
-            logits[row, ids] += torch.tensor(list(bias.values()), device=logits.device)
+            ids = to_device(list(bias), logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype)
+            if logits.is_cuda:
+                values = values.pin_memory().to(logits.device, non_blocking=True)
+            logits[row, ids] += values
     for row, penalties in enumerate(batch.penalties):
         if penalties is not None:
             penalties.apply(logits[row])
     for row, banned in enumerate(batch.banned):
         if banned:
-            logits[row, list(banned)] = -torch.inf
+            logits[row, to_device(sorted(banned), logits.device)] = -torch.inf
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
@@ -201,9 +208,15 @@ class ScoredTokens:
         rows = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
         if not rows:
             return None
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, logits.device)
         counts = [requests[row].params.logprobs or 0 for row in rows]
         return rows, cls.of(logits, index, tokens[index], counts)
+
+    def to_host_async(self) -> ScoredTokens:
+        """The same scores, being copied to the host behind the work queued so far (read them
+        with `to_host` once that work is done)."""
+        tensors = (self.logprob, self.rank, self.top_logprobs, self.top_ids)
+        return ScoredTokens(self.counts, *(t.to("cpu", non_blocking=True) for t in tensors))
 
     def to_host(self, targets: list[int]) -> list[TokenLogprob]:
         logprob, rank = self.logprob.tolist(), self.rank.tolist()
