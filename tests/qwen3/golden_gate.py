@@ -188,6 +188,8 @@ class TeacherForcer:
         eng = self.engine
         if graphs and eng.graphs is not None and eng.graphs.can_run(batch):
             logits = eng.graphs.run(batch).clone()
+        elif graphs and eng.mixed_graphs is not None and eng.mixed_graphs.can_run(batch):
+            logits = eng.mixed_graphs.run(batch)
         else:
             eng.model.prepare(batch)
             logits = eng.model(batch, eng.kv_cache)

@@ -83,7 +83,13 @@ class EngineArgs:
         "--no-chunked-prefill",
     )
     enforce_eager: bool = _arg(
-        False, "Run decode steps eagerly instead of replaying CUDA graphs.", "--enforce-eager"
+        False, "Run every step eagerly instead of replaying CUDA graphs.", "--enforce-eager"
+    )
+    mixed_step_graphs: bool = _arg(
+        True,
+        "Run steps that carry prefill tokens eagerly instead of replaying piecewise CUDA graphs "
+        "(captured per token-count bucket, attention run between the pieces).",
+        "--no-mixed-step-graphs",
     )
     async_scheduling: bool = _arg(
         False,

@@ -9,6 +9,7 @@ graphs through a decode wrapper per batch-size bucket with fixed index buffers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,18 +32,32 @@ class GQAShape:
 
 
 class PagedAttention(ABC):
-    """Causal attention of a step's queries over each sequence's paged K/V."""
+    """Causal attention of a step's queries over each sequence's paged K/V.
+
+    While piecewise graphs are captured (`piecewise_graphs.py`), `split` is set and `run`
+    calls it instead: the capture ends there and the call's output is a static buffer.
+    """
 
     def __init__(self, shape: GQAShape) -> None:
         self.shape = shape
+        self.split: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:
         """Prepare for `run` calls on `batch` (once per step, never inside a CUDA graph)."""
 
+    def run(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [tokens, heads, head_dim] → output of the same shape (into `out` if given), for
+        one layer's cache."""
+        if self.split is not None:
+            return self.split(q, kv_layer)
+        return self._attend(q, kv_layer, torch.empty_like(q) if out is None else out)
+
     @abstractmethod
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        """q [tokens, heads, head_dim] → output of the same shape, for one layer's cache."""
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`run`'s attention, into `out`."""
 
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
         """Plan a pure-decode batch padded to `bucket` rows for a captured graph."""
@@ -55,8 +70,8 @@ class TorchPagedAttention(PagedAttention):
     def plan(self, batch: ForwardBatch) -> None:
         self._batch = batch
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        return paged_attention(q, kv_layer, self._batch, self.shape.scale)
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(paged_attention(q, kv_layer, self._batch, self.shape.scale))
 
 
 @dataclass
@@ -183,9 +198,8 @@ class FlashInferPagedAttention(PagedAttention):
             )
         self._active = wrapper
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Into a preallocated output: without one, the prefill wrapper zero-fills its own.
-        out = torch.empty_like(q)
         self._active.run(q, kv_layer, out=out)
         return out
 

@@ -32,6 +32,7 @@ from pegainfer.core.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
+from pegainfer.core.piecewise_graphs import MixedGraphs, token_buckets
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
 from pegainfer.core.sampler import ScoredTokens, sample_requests
@@ -219,6 +220,10 @@ class EngineCore:
         cuda = device.type == "cuda"
         use_graphs = cuda and not args.enforce_eager and self.model.supports_cuda_graphs
         buckets = graph_buckets(args.max_num_seqs) if use_graphs else ()
+        # Piecewise graphs for mixed steps: one process only (parallel workers run their
+        # mixed steps eagerly, so rank 0 must too).
+        mixed_graphs = (use_graphs and args.mixed_step_graphs and self.ranks is None
+                        and self.model.supports_piecewise_graphs)  # fmt: skip
         runtime = RuntimeConfig(
             block_size=args.block_size,
             max_model_len=max_model_len,
@@ -243,7 +248,7 @@ class EngineCore:
         num_slots = args.max_num_seqs + checkpoints + int(bool(buckets)) if states else 0
         state_bytes = num_slots * sum(spec.bytes_per_slot for spec in states)
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
-            args, specs, device, max_model_len, num_slots
+            args, specs, device, max_model_len, num_slots, mixed_graphs
         )
         if num_blocks * args.block_size < max_model_len:
             raise ConfigError(
@@ -278,6 +283,13 @@ class EngineCore:
                 self.ranks.capture_graphs(graph_spec)
             self.graphs = graph_spec.graphs(self.model, self.kv_cache, device)
             self.graphs.capture()
+        self.mixed_graphs: MixedGraphs | None = None
+        if mixed_graphs:
+            self.mixed_graphs = MixedGraphs(
+                self.model, self.kv_cache, token_buckets(args.max_num_batched_tokens),
+                num_blocks, args.block_size, device,
+            )  # fmt: skip
+            self.mixed_graphs.capture()
         self.config = EngineConfig(
             model_dir=model_dir,
             tokenizer_dir=tokenizer_dir,
@@ -391,13 +403,15 @@ class EngineCore:
         device: torch.device,
         max_model_len: int,
         num_slots: int,
+        mixed_graphs: bool,
     ) -> int:
         if device.type == "cpu":
             # Never more than every sequence slot at full length could use.
             useful = args.max_num_seqs * -(-max_model_len // args.block_size)
             return min(useful, blocks_for_memory(specs, int(args.cpu_kv_cache_gib * _GIB)))
         sizing = KVSizing(args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
-                          max_model_len, args.gpu_memory_utilization, num_slots)  # fmt: skip
+                          max_model_len, args.gpu_memory_utilization, num_slots,
+                          mixed_graphs)  # fmt: skip
 
         def fit() -> int:
             return fit_kv_blocks(self.model, sizing, device)
@@ -516,6 +530,8 @@ class EngineCore:
             )
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
+            logits = self.mixed_graphs.run(batch)
         else:
             self.model.prepare(batch)
             logits = self.model(batch, self.kv_cache)

@@ -117,6 +117,9 @@ class KVSizing:
     gpu_memory_utilization: float
     #: Recurrent-state slots the cache holds beside the blocks.
     num_slots: int
+    #: Whether piecewise graphs for mixed steps are captured after the cache is allocated:
+    #: their private pool holds a step's activations again, bounded by the step's peak.
+    mixed_step_graphs: bool = False
 
 
 def fit_kv_blocks(model: Model, sizing: KVSizing, device: torch.device) -> int:
@@ -128,7 +131,7 @@ def fit_kv_blocks(model: Model, sizing: KVSizing, device: torch.device) -> int:
         model, specs, states, sizing.block_size, sizing.max_num_batched_tokens,
         sizing.max_num_seqs, sizing.max_model_len, device,
     )  # fmt: skip
-    held = peak + state_bytes + model.transient_bytes
+    held = peak * (1 + sizing.mixed_step_graphs) + state_bytes + model.transient_bytes
     return plan_gpu_kv(specs, sizing.gpu_memory_utilization, held, device).num_blocks
 
 

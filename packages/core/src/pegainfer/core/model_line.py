@@ -17,6 +17,7 @@ import torch
 from pegainfer.core.parallel import ParallelGroup
 
 if TYPE_CHECKING:
+    from pegainfer.core.attention import PagedAttention
     from pegainfer.core.forward_batch import ForwardBatch
     from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec
     from pegainfer.core.scheduler import Scheduler
@@ -83,6 +84,12 @@ class Model(torch.nn.Module, ABC):
     """
 
     supports_cuda_graphs: bool = False
+    #: Whether steps with prefill tokens may replay piecewise graphs (`piecewise_graphs.py`):
+    #: `forward` is `logits(hidden_states(batch, kv_cache), batch)`, `hidden_states` is
+    #: capturable for any token count (nothing in it reads device values on the host or
+    #: depends on the batch's sequences) except through the attention calls of
+    #: `piecewise_attention()`, which become the cuts between the pieces.
+    supports_piecewise_graphs: bool = False
 
     @property
     def transient_bytes(self) -> int:
@@ -122,6 +129,18 @@ class Model(torch.nn.Module, ABC):
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor: ...
+
+    def hidden_states(self, batch: ForwardBatch, kv_cache: KVCache) -> tuple[torch.Tensor, ...]:
+        """Every row's final hidden state, as the tensors `logits` takes (piecewise graphs)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
+
+    def logits(self, states: tuple[torch.Tensor, ...], batch: ForwardBatch) -> torch.Tensor:
+        """The logits of `batch.logits_indices`' rows from `hidden_states`' output."""
+        raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
+
+    def piecewise_attention(self) -> PagedAttention:
+        """The attention backend whose `run` calls cut the forward into pieces."""
+        raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
 
 
 class ModelLine(ABC):

@@ -99,6 +99,7 @@ class Qwen3Layer(nn.Module):
 
 class Qwen3ForCausalLM(Model):
     supports_cuda_graphs = True
+    supports_piecewise_graphs = True
 
     def __init__(self, cfg: Qwen3Config, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
@@ -180,6 +181,13 @@ class Qwen3ForCausalLM(Model):
         return shards.get(leaf) or WeightTarget(f"{layer}.{leaf}")
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        return self.logits(self.hidden_states(batch, kv_cache), batch)
+
+    def hidden_states(
+        self, batch: ForwardBatch, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output and the residual stream, every row (the final norm adds
+        them)."""
         rope, attn, ops = self.rope, self.attn, self.ops
         assert rope is not None and attn is not None and ops is not None
         eps = self.cfg.rms_norm_eps
@@ -191,9 +199,18 @@ class Qwen3ForCausalLM(Model):
             hidden = layer.attention(x, batch, kv[index], rope, attn, ops)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)
             hidden = layer.mlp(x, ops)
+        return hidden, residual
+
+    def logits(
+        self, states: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
+    ) -> torch.Tensor:
         # Only the rows that sample go through the final norm and the LM head.
-        x, _ = ops.add_rms_norm(
-            hidden[batch.logits_indices], residual[batch.logits_indices], self.norm, eps
-        )
+        hidden, residual = states
+        rows = batch.logits_indices
+        x, _ = self.ops.add_rms_norm(hidden[rows], residual[rows], self.norm, self.cfg.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return parallel.vocab_parallel_logits(x, head, self.group).float()
+
+    def piecewise_attention(self) -> PagedAttention:
+        assert self.attn is not None, "init_runtime() must run before the first step"
+        return self.attn
