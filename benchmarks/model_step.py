@@ -121,13 +121,16 @@ def host_phases(engine: EngineCore, run_step, reps: int) -> dict[str, float]:
 
         return wrapper
 
-    targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_forward_batch", "inputs"),
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_plans", "plan"),
+               (engine.runner, "batch", "inputs"),
                (engine.model, "prepare", "attention plan (eager)"),
                (engine.model, "prepare_graph", "attention plan (graph)"),
                (engine.scheduler, "advance", "advance"),
                (engine, "_commit", "commit (waits for the GPU, then bookkeeping)")]  # fmt: skip
-    if engine.graphs is not None:
-        targets.append((engine.graphs, "run", "graph run (plan + copies + launch)"))
+    if engine.runner.graphs is not None:
+        targets.append((engine.runner.graphs, "run", "graph run (plan + copies + launch)"))
+    if engine.runner.mixed_graphs is not None:
+        targets.append((engine.runner.mixed_graphs, "run", "piecewise run (plan + launches)"))
     for obj, attr, name in targets:
         setattr(obj, attr, timed(name, getattr(obj, attr)))
     engine_module.sample_requests = timed("sample (launch)", sample_requests)
@@ -188,7 +191,7 @@ def decode_step_time(
     # replay only inside engine steps.
     replay = None
     if engine.ranks is None:
-        graphs = engine.graphs
+        graphs = engine.runner.graphs
         bucket = min(b for b in graphs.buckets if b >= batch)
         replay = cuda_time(graphs._graphs[bucket].replay)
     if profile_dir is not None:

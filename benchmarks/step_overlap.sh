@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The engine-step checks and timings of one GPU, in one device call (kernel caches restored
 # by `.gpu/on-device.sh` first), written under $OUT:
-#   STAGES="tests step" bash benchmarks/step_overlap.sh
+#   STAGES="tests step serve multiturn" bash benchmarks/step_overlap.sh
 # tests: the Qwen3 CUDA tests (graphs, piecewise graphs, async scheduling) and the GPU sampler;
 # step:  benchmarks/model_step.py at Qwen3-4B shapes, batches 1/64/256 with and without a
-#        1k-token prefill beside them, with and without --async-scheduling.
+#        1k-token prefill beside them, with and without --async-scheduling;
+# serve: saturated 1k/128 serving of Qwen3-4B (384 prompts, 256 in flight, as issue 19 asks)
+#        for each server flag set in SERVE_MODES, then the warm-prefix ladder on the last one;
+# multiturn: Qwen3-8B's multi-turn run and its batch-1 decode step.
 # Each stage's log and JSON go to $OUT; PEGAINFER_REVISION names the revision measured (the
 # GPU host has no git).
 set -uo pipefail
@@ -20,6 +23,17 @@ checkpoint() {
   pegainfer-bench make-checkpoint "$SHAPE" "$CKPT" --tokenizer-from .gpu/qwen3tok \
     > "$OUT/checkpoint.log" 2>&1
 }
+
+# A server on port 8000 for the model at $1 with the flags that follow; serve_stop ends it.
+serve_start() {
+  local model=$1; shift
+  pegainfer-server --model-path "$model" --port 8000 --max-model-len 20480 "$@" \
+    > "$OUT/server_$(basename "$model")_$(date +%s).log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 360); do curl -sf localhost:8000/health > /dev/null && return; sleep 0.5; done
+  echo "server did not become ready"
+}
+serve_stop() { kill "$SERVER"; wait "$SERVER"; }
 
 for stage in $STAGES; do
   case $stage in
@@ -38,6 +52,39 @@ for stage in $STAGES; do
           > "$OUT/step_${mode}.log" 2>&1
         echo "step $mode: exit $?"; grep -E "^\{'batch'" "$OUT/step_${mode}.log"
       done
+      ;;
+    serve)
+      checkpoint
+      IFS=";" read -ra modes <<< "${SERVE_MODES:- ;--async-scheduling}"
+      for mode in "${modes[@]}"; do
+        name=$(echo "$mode" | tr -d ' -' | cut -c1-40); name=${name:-default}
+        serve_start "$CKPT" $mode
+        timeout 240 pegainfer-bench serve --input-len 1024 --output-len 128 --num-prompts 384 \
+          --max-concurrency 256 --request-rate inf --num-warmups 8 --seed 100 \
+          --result-json "$OUT/serve_${name}.json" > "$OUT/serve_${name}.log" 2>&1
+        echo "serve [$mode]: exit $?"; tail -25 "$OUT/serve_${name}.log" | grep -iE "throughput|TTFT|TPOT"
+        if [ "$mode" = "${modes[-1]}" ]; then
+          timeout 120 pegainfer-bench prefix --lengths 1024,4096,16384 --warm-runs 10 \
+            --result-json "$OUT/prefix.json" > "$OUT/prefix.log" 2>&1
+          echo "prefix: exit $?"; tail -8 "$OUT/prefix.log"
+        fi
+        serve_stop
+      done
+      ;;
+    multiturn)
+      big=/tmp/qwen3-8b
+      [ -f $big/config.json ] || pegainfer-bench make-checkpoint qwen3-8b $big \
+        --tokenizer-from .gpu/qwen3tok > "$OUT/checkpoint8b.log" 2>&1
+      serve_start $big ${MULTITURN_MODE:-}
+      timeout 200 pegainfer-bench multiturn --conversations 20 --turns 5 --concurrency 10 \
+        --first-turn-len 4096 --turn-len 1024 --output-len 128 \
+        --result-json "$OUT/multiturn_8b.json" > "$OUT/multiturn.log" 2>&1
+      echo "multiturn: exit $?"; tail -12 "$OUT/multiturn.log"
+      serve_stop
+      timeout 200 python3 benchmarks/model_step.py --shape qwen3-8b --model-dir $big \
+        --batches 1 --prefill 1024 --steps 30 --revision "$REV" ${MULTITURN_MODE:+--async-scheduling} \
+        --out "$OUT/step_qwen3-8b.json" > "$OUT/step_8b.log" 2>&1
+      echo "step 8b: exit $?"; grep -E "^\{'batch'" "$OUT/step_8b.log"
       ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -8,8 +8,9 @@ import torch
 
 from pegainfer.core.block_manager import BlockManager
 from pegainfer.core.data_parallel import DataParallelScheduler, rank_plans
-from pegainfer.core.forward_batch import DataParallelCounts, ForwardBatch
+from pegainfer.core.forward_batch import DataParallelCounts
 from pegainfer.core.scheduler import Scheduler, SchedulerConfig
+from pegainfer.core.step_plan import StepPlan
 from tests.core.test_scheduler import BS, request
 
 
@@ -66,29 +67,29 @@ class _Graphs:
         return 4 if n <= 4 else 8
 
 
-def plan(chunks: list[list[int]], sample: bool = True) -> dict:
-    return dict(token_chunks=chunks, start_positions=[4] * len(chunks),
-                block_tables=[[1, 2]] * len(chunks), sample_mask=[sample] * len(chunks),
-                block_size=BS, state_slots=list(range(len(chunks))),
-                state_restore=[None] * len(chunks), state_snapshot=[None] * len(chunks),
-                every_row=[False] * len(chunks))  # fmt: skip
+def plan(chunks: list[list[int]], sample: bool = True) -> StepPlan:
+    return StepPlan(token_chunks=chunks, start_positions=[4] * len(chunks),
+                    block_tables=[[1, 2]] * len(chunks), sample_mask=[sample] * len(chunks),
+                    every_row=[False] * len(chunks), state_slots=list(range(len(chunks))),
+                    state_restore=[None] * len(chunks),
+                    state_snapshot=[None] * len(chunks))  # fmt: skip
 
 
 def test_an_idle_rank_runs_a_dummy_token_eagerly_and_only_padding_under_a_graph():
     decode = plan([[3], [5], [7]])
     eager = rank_plans([plan([[1, 2, 3]]), plan([])], dummy_block=99, graphs=_Graphs())
-    assert eager[1]["token_chunks"] == [[0]] and eager[1]["block_tables"] == [[99]]
-    assert eager[0]["data_parallel"] == DataParallelCounts((3, 1), (1, 0), None)
-    batch = ForwardBatch.build(**eager[1], device=torch.device("cpu"))
+    assert eager[1].token_chunks == [[0]] and eager[1].block_tables == [[99]]
+    assert eager[0].data_parallel == DataParallelCounts((3, 1), (1, 0), None)
+    batch = eager[1].batch(BS, torch.device("cpu"))
     assert batch.num_tokens == 1 and batch.logits_indices.numel() == 0
     graphed = rank_plans([decode, plan([])], dummy_block=99, graphs=_Graphs())
-    assert graphed[1]["token_chunks"] == []
-    assert graphed[1]["data_parallel"] == DataParallelCounts((3, 0), (3, 0), 4)
-    assert rank_plans([decode, plan([[1]] * 6)], 99, _Graphs())[0]["data_parallel"].bucket == 8
-    assert rank_plans([decode, plan([[1]] * 9)], 99, _Graphs())[0]["data_parallel"].bucket is None
-    assert rank_plans([decode, plan([[1]] * 2)], 99, None)[0]["data_parallel"].bucket is None
+    assert graphed[1].token_chunks == []
+    assert graphed[1].data_parallel == DataParallelCounts((3, 0), (3, 0), 4)
+    assert rank_plans([decode, plan([[1]] * 6)], 99, _Graphs())[0].data_parallel.bucket == 8
+    assert rank_plans([decode, plan([[1]] * 9)], 99, _Graphs())[0].data_parallel.bucket is None
+    assert rank_plans([decode, plan([[1]] * 2)], 99, None)[0].data_parallel.bucket is None
     not_sampling = rank_plans([decode, plan([[1]], sample=False)], 99, _Graphs())
-    assert not_sampling[0]["data_parallel"] == DataParallelCounts((3, 1), (3, 0), None)
+    assert not_sampling[0].data_parallel == DataParallelCounts((3, 1), (3, 0), None)
 
 
 def test_a_cached_prefix_draws_a_request_until_its_ranks_extra_load_outweighs_it():

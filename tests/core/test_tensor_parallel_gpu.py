@@ -95,7 +95,7 @@ def test_two_gpus_generate_what_one_does(checkpoints, line, layout, async_schedu
     torch.cuda.empty_cache()
     two = gpu_engine(path, async_scheduling=async_scheduling, **LAYOUTS[layout])
     try:
-        assert two.graphs is not None  # decode steps replay graphs on both ranks
+        assert two.runner.graphs is not None  # decode steps replay graphs on both ranks
         assert generate(two, prompts(vocab), greedy(24)) == expected
     finally:
         two.shutdown()
@@ -185,7 +185,7 @@ def test_two_gpus_at_real_shapes_score_what_one_does(line, layout, tmp_path_fact
     torch.cuda.empty_cache()
     two = gpu_engine(path, **LAYOUTS[layout], **options)
     try:
-        assert two.graphs is not None
+        assert two.runner.graphs is not None
         got = scored(two, prompts, params)
     finally:
         two.shutdown()

@@ -94,7 +94,7 @@ def test_the_engine_runs_flashinfer_mla_and_decode_graphs(small):
     _, engine = small
     assert isinstance(engine.model.attn.absorbed, FlashInferPagedLatentAttention)
     assert isinstance(engine.model.attn.expanded, FlashInferRaggedAttention)
-    assert engine.graphs is not None and 16 in engine.graphs.buckets
+    assert engine.runner.graphs is not None and 16 in engine.runner.graphs.buckets
 
 
 def test_graph_replay_equals_eager_for_the_same_batch(small):

@@ -186,10 +186,8 @@ class TeacherForcer:
             state_slots=slots, state_restore=restore, state_snapshot=snapshot,
         )  # fmt: skip
         eng = self.engine
-        if graphs and eng.graphs is not None and eng.graphs.can_run(batch):
-            logits = eng.graphs.run(batch).clone()
-        elif graphs and eng.mixed_graphs is not None and eng.mixed_graphs.can_run(batch):
-            logits = eng.mixed_graphs.run(batch)
+        if graphs:  # as the engine runs it: a graph, the pieces of a mixed step, or eagerly
+            logits = eng.runner.forward(batch).clone()
         else:
             eng.model.prepare(batch)
             logits = eng.model(batch, eng.kv_cache)
@@ -296,9 +294,9 @@ def assert_graph_replay_equals_eager(engine: EngineCore) -> None:
     tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
     forcer._step(prompts, [0] * 5, tables, graphs=False)
     batch = ForwardBatch.build([[7]] * 5, [len(p) for p in prompts], tables, [True] * 5, bs, cuda)
-    assert engine.graphs.can_run(batch)
-    replayed = engine.graphs.run(batch).clone()
-    padded = engine.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu, [])
+    assert engine.runner.graphs.can_run(batch)
+    replayed = engine.runner.graphs.run(batch).clone()
+    padded = engine.runner.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu, [])
     padded.input_ids[:5].copy_(batch.input_ids)
     padded.positions[:5].copy_(batch.positions)
     padded.slot_mapping[:5].copy_(batch.slot_mapping)

@@ -94,7 +94,7 @@ def test_piecewise_mixed_step_matches_eager(small, lengths):
     between the pieces, rows padded to the token bucket) give the eager step's logits, at
     the gate's tolerances (the padded GEMMs may pick other kernels), for several buckets."""
     _, engine, _ = small
-    assert engine.mixed_graphs is not None
+    assert engine.runner.mixed_graphs is not None
     bs, cuda = engine.config.block_size, torch.device("cuda")
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
     tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
@@ -104,9 +104,9 @@ def test_piecewise_mixed_step_matches_eager(small, lengths):
     chunks = [[7], [8], [9], *fresh]
     starts = [len(p) for p in prompts] + [0] * len(fresh)
     batch = ForwardBatch.build(chunks, starts, tables, [True] * len(chunks), bs, cuda)
-    assert engine.mixed_graphs.can_run(batch) and not engine.graphs.can_run(batch)
+    assert engine.runner.mixed_graphs.can_run(batch) and not engine.runner.graphs.can_run(batch)
     with torch.inference_mode():
-        pieces = engine.mixed_graphs.run(batch).float().log_softmax(-1)
+        pieces = engine.runner.mixed_graphs.run(batch).float().log_softmax(-1)
         engine.model.prepare(batch)
         eager = engine.model(batch, engine.kv_cache).float().log_softmax(-1)
     gate = GateResult()

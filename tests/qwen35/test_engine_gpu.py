@@ -143,14 +143,14 @@ def test_graph_replay_equals_eager_for_the_same_batch(small):
     saved = conv.clone(), recurrent.clone()
     starts, slots = [len(p) for p in prompts], list(range(5))
     batch = ForwardBatch.build([[7]] * 5, starts, tables, [True] * 5, bs, cuda, state_slots=slots)
-    assert engine.graphs.can_run(batch)
-    replayed = engine.graphs.run(batch).clone()
+    assert engine.runner.graphs.can_run(batch)
+    replayed = engine.runner.graphs.run(batch).clone()
     states_after = conv[:, :5].clone(), recurrent[:, :5].clone()
     conv.copy_(saved[0])
     recurrent.copy_(saved[1])
-    padded = engine.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu, slots)
+    padded = engine.runner.graphs._padded(8, batch.seq_lens_cpu, batch.block_tables_cpu, slots)
     for row, values in enumerate((batch.input_ids, batch.positions, batch.slot_mapping)):
-        engine.graphs._inputs[row, :5].copy_(values)
+        engine.runner.graphs._inputs[row, :5].copy_(values)
     with torch.inference_mode():
         engine.model.prepare_graph(padded, 8)
         eager = engine.model(padded, engine.kv_cache)[:5]

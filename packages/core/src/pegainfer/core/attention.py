@@ -11,7 +11,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from pegainfer.core.forward_batch import ForwardBatch
@@ -85,20 +87,16 @@ class PagedIndex:
     @classmethod
     def of(cls, batch: ForwardBatch, device: torch.device) -> PagedIndex:
         bs = batch.block_size
-        pages = [(n + bs - 1) // bs for n in batch.seq_lens_cpu]
-        indices = [
-            b for table, p in zip(batch.block_tables_cpu, pages, strict=True) for b in table[:p]
-        ]
-        indptr = [0]
-        for p in pages:
-            indptr.append(indptr[-1] + p)
-        last = [n - (p - 1) * bs for n, p in zip(batch.seq_lens_cpu, pages, strict=True)]
+        seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int32)
+        pages = (seq_lens + bs - 1) // bs
+        indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
+        held = [table[:p] for table, p in zip(batch.block_tables_cpu, pages.tolist(), strict=True)]
+        indices = np.fromiter(chain.from_iterable(held), np.int32, int(indptr[-1]))
         return cls(
-            kv_indptr=torch.tensor(indptr, dtype=torch.int32).pin_memory(),
-            kv_indices=torch.tensor(indices, dtype=torch.int32)
-            .pin_memory()
-            .to(device, non_blocking=True),
-            last_page_len=torch.tensor(last, dtype=torch.int32).pin_memory(),
+            kv_indptr=torch.from_numpy(indptr).pin_memory(),
+            kv_indices=torch.from_numpy(indices).pin_memory().to(device, non_blocking=True),
+            last_page_len=torch.from_numpy(seq_lens - (pages - 1) * bs).pin_memory(),
         )
 
 

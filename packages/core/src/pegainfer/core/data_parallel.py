@@ -12,12 +12,11 @@ bucket on every rank.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pegainfer.core.cuda_graphs import DecodeGraphs
-from pegainfer.core.forward_batch import DataParallelCounts, logits_rows
+from pegainfer.core.forward_batch import DataParallelCounts
 from pegainfer.core.request import Request
 from pegainfer.core.scheduler import Scheduler, SchedulerCounters, SchedulerStep
+from pegainfer.core.step_plan import StepPlan
 
 
 class DataParallelScheduler:
@@ -103,36 +102,23 @@ class DataParallelScheduler:
 
 
 def rank_plans(
-    plans: list[dict[str, Any]], dummy_block: int, graphs: DecodeGraphs | None
-) -> list[dict[str, Any]]:
-    """Every rank's plan (`ForwardBatch.build`'s arguments) completed for a lockstep step: the
-    ranks' counts, the graph bucket when every rank's batch is a pure decode that fits one,
-    and a dummy token (at `dummy_block`, sampling nothing) for an idle rank's eager step."""
-    tokens = [sum(len(chunk) for chunk in plan["token_chunks"]) for plan in plans]
-    rows = [_logits_count(plan) for plan in plans]
+    plans: list[StepPlan], dummy_block: int, graphs: DecodeGraphs | None
+) -> list[StepPlan]:
+    """Every rank's plan completed for a lockstep step: the ranks' counts, the graph bucket
+    when every rank's batch is a pure decode that fits one, and a dummy token (at
+    `dummy_block`, sampling nothing) for an idle rank's eager step."""
+    tokens = [plan.num_tokens for plan in plans]
+    rows = [plan.num_logits_rows for plan in plans]
     bucket = None
     if graphs is not None and 0 < max(tokens) <= graphs.max_batch:
-        decodes = all(len(chunk) == 1 for plan in plans for chunk in plan["token_chunks"])
+        decodes = all(len(chunk) == 1 for plan in plans for chunk in plan.token_chunks)
         if decodes and rows == tokens:
             bucket = graphs.bucket_for(max(tokens))
     completed = []
     for rank, plan in enumerate(plans):
         if tokens[rank] == 0 and bucket is None:
-            plan = plan | _idle(dummy_block)
+            plan = StepPlan.idle(dummy_block)
             tokens[rank] = 1
         completed.append(plan)
     counts = DataParallelCounts(tuple(tokens), tuple(rows), bucket)
-    return [plan | {"data_parallel": counts} for plan in completed]
-
-
-def _logits_count(plan: dict[str, Any]) -> int:
-    lengths = [len(chunk) for chunk in plan["token_chunks"]]
-    return len(logits_rows(lengths, plan["sample_mask"], plan["every_row"])[0])
-
-
-def _idle(dummy_block: int) -> dict[str, Any]:
-    """An idle rank's eager step: one token at position 0 of the dummy block, sampling
-    nothing."""
-    return dict(token_chunks=[[0]], start_positions=[0], block_tables=[[dummy_block]],
-                sample_mask=[False], every_row=[False], state_slots=[], state_restore=[None],
-                state_snapshot=[None])  # fmt: skip
+    return [plan.with_counts(counts) for plan in completed]

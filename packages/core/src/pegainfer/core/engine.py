@@ -16,13 +16,12 @@ import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.block_manager import BlockManager
-from pegainfer.core.cuda_graphs import DecodeGraphs, graph_buckets
+from pegainfer.core.cuda_graphs import graph_buckets
 from pegainfer.core.data_parallel import DataParallelScheduler, rank_plans
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.forward_batch import Feed, ForwardBatch, LogitsRows, to_device
 from pegainfer.core.kv_cache import (
     ArenaSpec,
-    KVCache,
     StateSpec,
     blocks_for_memory,
     bytes_per_block,
@@ -32,18 +31,15 @@ from pegainfer.core.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
-from pegainfer.core.piecewise_graphs import MixedGraphs, token_buckets
+from pegainfer.core.model_runner import CacheShape, GraphSpec, ModelRunner
+from pegainfer.core.piecewise_graphs import token_buckets
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.request import Request
 from pegainfer.core.sampler import ScoredTokens, sample_requests
 from pegainfer.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStep
+from pegainfer.core.step_plan import StepPlan
 from pegainfer.core.structured_output import Grammars
-from pegainfer.core.tensor_parallel import (
-    CacheShape,
-    GraphSpec,
-    TensorParallelRanks,
-    WorkerSpec,
-)
+from pegainfer.core.tensor_parallel import TensorParallelRanks, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +179,7 @@ class EngineCore:
             "Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype
         )
         self.ranks: TensorParallelRanks | None = None
+        self.runner: ModelRunner | None = None  # once the model is built
         spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device),
                           args.enable_expert_parallel, args.data_parallel_size > 1)  # fmt: skip
         world = args.tensor_parallel_size * args.data_parallel_size
@@ -203,6 +200,7 @@ class EngineCore:
         model_dir, device = context.model_dir, context.device
         self.model = line.build_model(context)
         self.model.eval()
+        self.runner = ModelRunner(self.model, device)
         if self.ranks is not None:  # the workers loaded their shares meanwhile
             self.ranks.join()
 
@@ -220,8 +218,8 @@ class EngineCore:
         cuda = device.type == "cuda"
         use_graphs = cuda and not args.enforce_eager and self.model.supports_cuda_graphs
         buckets = graph_buckets(args.max_num_seqs) if use_graphs else ()
-        # Piecewise graphs for mixed steps: one process only (parallel workers run their
-        # mixed steps eagerly, so rank 0 must too).
+        # Piecewise graphs for mixed steps: one process only for now (the workers could
+        # capture them too, but that has not run on GPUs; data-parallel steps run eagerly).
         mixed_graphs = (use_graphs and args.mixed_step_graphs and self.ranks is None
                         and self.model.supports_piecewise_graphs)  # fmt: skip
         runtime = RuntimeConfig(
@@ -261,9 +259,10 @@ class EngineCore:
         # write it.
         self.data_parallel_size = args.data_parallel_size
         dummy = int(cuda or self.data_parallel_size > 1)
-        self.kv_cache = KVCache(specs, num_blocks + dummy, device, states, num_slots)
+        shape = CacheShape(args.block_size, num_blocks + dummy, num_slots)
         if self.ranks is not None:
-            self.ranks.share(CacheShape(args.block_size, num_blocks + dummy, num_slots))
+            self.ranks.share(shape)
+        self.kv_cache = self.runner.allocate(shape)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)%s",
             num_blocks,
@@ -274,22 +273,12 @@ class EngineCore:
             if states
             else "",
         )
-        self.graphs: DecodeGraphs | None = None
         if buckets:
-            graph_spec = GraphSpec(
-                buckets, num_blocks, args.block_size, num_slots - 1 if states else None
-            )
+            tokens = token_buckets(args.max_num_batched_tokens) if mixed_graphs else ()
+            graph_spec = GraphSpec(buckets, num_blocks, num_slots - 1 if states else None, tokens)
             if self.ranks is not None:
                 self.ranks.capture_graphs(graph_spec)
-            self.graphs = graph_spec.graphs(self.model, self.kv_cache, device)
-            self.graphs.capture()
-        self.mixed_graphs: MixedGraphs | None = None
-        if mixed_graphs:
-            self.mixed_graphs = MixedGraphs(
-                self.model, self.kv_cache, token_buckets(args.max_num_batched_tokens),
-                num_blocks, args.block_size, device,
-            )  # fmt: skip
-            self.mixed_graphs.capture()
+            self.runner.capture(graph_spec)
         self.config = EngineConfig(
             model_dir=model_dir,
             tokenizer_dir=tokenizer_dir,
@@ -392,7 +381,8 @@ class EngineCore:
         if self.ranks is None:
             return
         # Graphs hold captured collectives: they go before the communicator does.
-        self.graphs = None
+        if self.runner is not None:
+            self.runner.release_graphs()
         gc.collect()
         self.ranks.shutdown()
 
@@ -518,23 +508,20 @@ class EngineCore:
         """Queue the step's forward and sampling on the device; nothing waits for the GPU."""
         fed = self._in_flight is not None and any(c.request.num_pending for c in step.chunks)
         feeds = _feeds(step) if fed else None
-        batch, rows = self._forward_batch(step, feeds)
+        plan, rows = self._plans(step, feeds)
+        fed_ids = None
         if feeds is not None:
             fed_ids = self._in_flight.fed_ids(step)
             if self.ranks is not None:  # the other ranks' batches lack them
                 self.ranks.share_inputs(fed_ids)
-            feeds[0].apply(batch, fed_ids)
+        batch = self.runner.batch(plan, feeds and feeds[0], fed_ids)
+        if rows is None:
+            rows = batch
         if self.offload is not None:
             self.offload.before_step(
                 self.block_manager.take_handed_out(), self.scheduler.take_reused_checkpoint_slots()
             )
-        if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
-        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
-            logits = self.mixed_graphs.run(batch)
-        else:
-            self.model.prepare(batch)
-            logits = self.model(batch, self.kv_cache)
+        logits = self.runner.forward(batch)
         prompt_logprobs = self._score_prompts(step, rows, logits)
         if rows.sample_rows is not None:
             sample_rows = rows.sample_rows
@@ -600,47 +587,43 @@ class EngineCore:
             self.offload.store(self.scheduler.take_pending_stores(), self.kv_cache)
         return outputs
 
-    def _forward_batch(
+    def _plans(
         self, step: SchedulerStep, feeds: list[Feed] | None = None
-    ) -> tuple[ForwardBatch, ForwardBatch | LogitsRows]:
-        """The step's batch for this rank, and what the rows of the logits the forward returns
-        are: the batch's, except with data-parallel attention, where rank 0's forward returns
-        every rank's rows in rank order.
-        With parallel ranks the plans go to the others first (`feeds`: each rank's rows whose
-        ids the step in flight samples, which follow by broadcast)."""
-        device = self.config.device
+    ) -> tuple[StepPlan, LogitsRows | None]:
+        """Rank 0's plan for the step, and what the rows of the logits its forward returns are
+        when they are not its own batch's (data-parallel attention: every rank's rows in rank
+        order). With parallel ranks the plans go to the others first (`feeds`: each rank's
+        rows whose ids the step in flight samples, which follow by broadcast)."""
         if self.data_parallel_size == 1:
             plan = self._plan(step.chunks)
             if self.ranks is not None:
                 self.ranks.run(plan, feeds and feeds[0])
-            batch = ForwardBatch.build(**plan, device=device)
-            return batch, batch
+            return plan, None
         parts = [self._plan(part.chunks) for part in step.parts]
-        plans = rank_plans(parts, self.kv_cache.num_blocks - 1, self.graphs)
+        plans = rank_plans(parts, self.kv_cache.num_blocks - 1, self.runner.graphs)
         self.ranks.run_each(plans[1:], feeds and feeds[1:])
-        return ForwardBatch.build(**plans[0], device=device), LogitsRows.of(parts)
+        return plans[0], LogitsRows.of(parts)
 
-    def _plan(self, step_chunks: list[ScheduledChunk]) -> dict[str, Any]:
-        """`ForwardBatch.build`'s arguments for these chunks."""
+    @staticmethod
+    def _plan(step_chunks: list[ScheduledChunk]) -> StepPlan:
         chunks, starts = [], []
         for chunk in step_chunks:
             start = chunk.request.num_computed_tokens
             chunks.append(chunk.request.token_ids[start : start + chunk.num_tokens])
             starts.append(start)
-        return dict(
+        return StepPlan(
             token_chunks=chunks,
             start_positions=starts,
             block_tables=[c.request.block_ids for c in step_chunks],
             sample_mask=[c.samples for c in step_chunks],
-            block_size=self.config.block_size,
-            state_slots=[c.request.slot for c in step_chunks],
-            state_restore=[c.restore_from for c in step_chunks],
-            state_snapshot=[c.snapshot and c.snapshot[:2] for c in step_chunks],
             every_row=[
                 c.request.prompt_logprobs is not None
                 and c.request.num_computed_tokens < c.request.num_prompt_tokens - 1
                 for c in step_chunks
             ],
+            state_slots=[c.request.slot for c in step_chunks],
+            state_restore=[c.restore_from for c in step_chunks],
+            state_snapshot=[c.snapshot and c.snapshot[:2] for c in step_chunks],
         )
 
     def stats(self) -> EngineStats:

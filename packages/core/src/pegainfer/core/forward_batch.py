@@ -9,18 +9,52 @@ Tokens of all scheduled sequences are concatenated: sequence `i` owns rows
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from pegainfer.core.step_plan import StepPlan
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints as an int64 tensor on `device`, without waiting for the device: on CUDA
     through pinned memory and a non-blocking copy (a plain `torch.tensor(..., device=cuda)`
     synchronises the stream, which stalls a launch behind the step still running)."""
-    host = torch.tensor(values, dtype=torch.int64)
+    return to_device_array(np.asarray(values, dtype=np.int64), device)
+
+
+def to_device_array(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`to_device` for an array already built on the host."""
+    tensor = torch.from_numpy(host)
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def token_slots(
+    starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The position and cache slot (block * block_size + offset) of every token of chunks of
+    `lengths` tokens from `starts`, flattened. Vectorised: the only Python loop is over the
+    chunks, which hand over the slices of their tables that their tokens touch."""
+    count = len(lengths)
+    if not count:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    start = np.fromiter(starts, np.int64, count)
+    length = np.fromiter(lengths, np.int64, count)
+    offsets = np.cumsum(length) - length
+    positions = np.arange(int(length.sum()), dtype=np.int64) + np.repeat(start - offsets, length)
+    first = start // block_size
+    last = (start + length - 1) // block_size  # a chunk has at least one token
+    touched = [table[a : b + 1] for table, a, b in zip(block_tables, first.tolist(),
+                                                       last.tolist(), strict=True)]  # fmt: skip
+    spans = last - first + 1
+    blocks = np.fromiter(chain.from_iterable(touched), np.int64, int(spans.sum()))
+    index = np.repeat(np.cumsum(spans) - spans - first, length) + positions // block_size
+    return positions, blocks[index] * block_size + positions % block_size
 
 
 @dataclass(frozen=True)
@@ -136,43 +170,35 @@ class ForwardBatch:
         them for every row of its chunk (prompt logprobs). `data_parallel`: every attention
         rank's share of the step (data-parallel attention).
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        for chunk, start, table in zip(token_chunks, start_positions, block_tables, strict=True):
-            input_ids.extend(chunk)
-            for pos in range(start, start + len(chunk)):
-                positions.append(pos)
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-            query_start.append(query_start[-1] + len(chunk))
-            seq_lens.append(start + len(chunk))
+        lengths = [len(chunk) for chunk in token_chunks]
         every = every_row or [False] * len(token_chunks)
-        logits_indices, sample_rows, chunk_logits = logits_rows(
-            [len(chunk) for chunk in token_chunks], sample_mask, every
-        )
-        # One host tensor, one (pinned, asynchronous) copy to the device.
+        logits_indices, sample_rows, chunk_logits = logits_rows(lengths, sample_mask, every)
         state_slots = [] if state_slots is None else list(state_slots)
-        host = torch.tensor(
-            input_ids + positions + slots + logits_indices + state_slots + sample_rows,
-            dtype=torch.int64,
+        seq_lens = [start + n for start, n in zip(start_positions, lengths, strict=True)]
+        positions, slots = token_slots(start_positions, lengths, block_tables, block_size)
+        tokens = len(positions)
+        # One host array, one (pinned, asynchronous) copy to the device.
+        host = np.empty(3 * tokens + len(logits_indices) + len(state_slots) + len(sample_rows),
+                        dtype=np.int64)  # fmt: skip
+        host[:tokens] = np.fromiter(chain.from_iterable(token_chunks), np.int64, tokens)
+        host[tokens : 2 * tokens] = positions
+        host[2 * tokens : 3 * tokens] = slots
+        host[3 * tokens :] = logits_indices + state_slots + sample_rows
+        fields = to_device_array(host, device).split(
+            [tokens, tokens, tokens, len(logits_indices), len(state_slots), len(sample_rows)]
         )
-        if device.type == "cuda":
-            host = host.pin_memory().to(device, non_blocking=True)
-        tokens = len(input_ids)
-        sizes = [tokens, tokens, tokens, len(logits_indices), len(state_slots), len(sample_rows)]
-        fields = host.split(sizes)
+        query_start = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=query_start[1:])
         return cls(
             input_ids=fields[0],
             positions=fields[1],
             slot_mapping=fields[2],
             logits_indices=fields[3],
             block_size=block_size,
-            query_lens_cpu=[len(c) for c in token_chunks],
+            query_lens_cpu=lengths,
             seq_lens_cpu=seq_lens,
             block_tables_cpu=block_tables,
-            query_start_loc_cpu=torch.tensor(query_start, dtype=torch.int32),
+            query_start_loc_cpu=torch.from_numpy(query_start),
             state_slots_cpu=state_slots,
             state_restore_cpu=[None] * len(token_chunks)
             if state_restore is None
@@ -220,11 +246,11 @@ class LogitsRows:
     chunk_logits_cpu: list[int | None]
 
     @classmethod
-    def of(cls, plans: list[dict]) -> LogitsRows:
-        """The rows of these `ForwardBatch.build` plans' batches, one after another."""
-        lengths = [len(chunk) for plan in plans for chunk in plan["token_chunks"]]
-        sample_mask = [sample for plan in plans for sample in plan["sample_mask"]]
-        every_row = [every for plan in plans for every in plan["every_row"]]
+    def of(cls, plans: list[StepPlan]) -> LogitsRows:
+        """The rows of these plans' batches, one after another."""
+        lengths = [len(chunk) for plan in plans for chunk in plan.token_chunks]
+        sample_mask = [sample for plan in plans for sample in plan.sample_mask]
+        every_row = [every for plan in plans for every in plan.every_row]
         _, sampling, first_rows = logits_rows(lengths, sample_mask, every_row)
         sample_rows = torch.tensor(sampling, dtype=torch.int64) if any(every_row) else None
         return cls(sample_rows, first_rows)

@@ -90,12 +90,14 @@ class SamplingBatch:
         ).to(device)
 
     def to(self, device: torch.device) -> SamplingBatch:
-        """The per-row tensors on `device`, copied without waiting for the device."""
+        """The per-row tensors on `device`; from the host to CUDA without waiting for the
+        device (pinned, non-blocking)."""
+        tensors = (self.temperature, self.top_k, self.top_p, self.min_p)
         if device.type == "cuda" and not self.temperature.is_cuda:
-            host = [t.pin_memory() for t in (self.temperature, self.top_k, self.top_p, self.min_p)]
-            self.temperature, self.top_k, self.top_p, self.min_p = (
-                t.to(device, non_blocking=True) for t in host
-            )
+            tensors = tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+        else:
+            tensors = tuple(t.to(device) for t in tensors)
+        self.temperature, self.top_k, self.top_p, self.min_p = tensors
         return self
 
 

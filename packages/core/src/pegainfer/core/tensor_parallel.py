@@ -10,7 +10,7 @@ collective of the forward pass meets its peers: set up the per-step machinery (`
 size the KV cache (on GPUs every rank runs the profiling step, which all-reduces, and the
 smallest block count wins), allocate it, capture the decode CUDA graphs (the same buckets in
 the same order on every rank: their warm-up steps all-reduce), then per step the step's plan
-(the arguments of `ForwardBatch.build`; with data-parallel attention, each rank its own).
+(its `StepPlan`; with data-parallel attention, each rank its own).
 Every rank runs the forward, replaying a graph exactly when rank 0 does (`DecodeGraphs.can_run`
 is a function of the plan); only rank 0 samples.
 
@@ -53,13 +53,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pegainfer.core.cuda_graphs import DecodeGraphs
 from pegainfer.core.errors import ConfigError, PegainferError
-from pegainfer.core.forward_batch import Feed, ForwardBatch
-from pegainfer.core.kv_cache import KVCache
+from pegainfer.core.forward_batch import Feed
 from pegainfer.core.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.model_line import Model, ModelContext, RuntimeConfig
+from pegainfer.core.model_runner import CacheShape, GraphSpec, ModelRunner
 from pegainfer.core.parallel import ParallelGroup
+from pegainfer.core.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -107,30 +107,6 @@ class WorkerSpec:
         placement = {"data_parallel" if self.data_parallel else "parallel": ranks}
         return ModelContext(self.model_dir, self.config, self.dtype, device,
                             expert_parallel=self.expert_parallel, **placement)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    """Rank 0's decisions the others must share: block ids and state slots mean the same
-    thing on every rank."""
-
-    block_size: int
-    num_blocks: int
-    num_slots: int
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    """The decode graphs every rank captures (`DecodeGraphs`' arguments beyond the model)."""
-
-    buckets: tuple[int, ...]
-    dummy_block: int
-    block_size: int
-    dummy_slot: int | None
-
-    def graphs(self, model: Model, cache: KVCache, device: torch.device) -> DecodeGraphs:
-        return DecodeGraphs(model, cache, self.buckets, self.dummy_block, self.block_size,
-                            device, self.dummy_slot)  # fmt: skip
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -240,35 +216,28 @@ def _exit_with_parent() -> None:
 
 def _serve(model: Model, device: torch.device, inbox: Connection) -> None:
     """Follow rank 0's messages until it sends None (EOFError if rank 0 is gone)."""
-    cache: KVCache | None = None
-    graphs: DecodeGraphs | None = None
+    runner = ModelRunner(model, device)
     with torch.inference_mode():
         while (message := pickle.loads(inbox.recv_bytes())) is not None:
             kind, detail = message
             if kind == "step":
                 plan, feed = detail
-                batch = ForwardBatch.build(**plan, device=device)
+                fed_ids = None
                 if feed is not None:  # async scheduling: ids sampled by the step in flight
                     fed_ids = torch.empty(feed.total, dtype=torch.int64, device=device)
                     dist.broadcast(fed_ids, src=0)
-                    feed.apply(batch, fed_ids)
-                if graphs is not None and graphs.can_run(batch):
-                    graphs.run(batch)
-                else:
-                    model.prepare(batch)
-                    model(batch, cache)
+                runner.forward(runner.batch(plan, feed, fed_ids))
             elif kind == "runtime":
                 model.init_runtime(detail)
             elif kind == "size_kv":
                 _smallest(fit_kv_blocks(model, detail, device), device)
             elif kind == "cache":
-                cache = KVCache(model.kv_arenas(detail.block_size), detail.num_blocks,
-                                device, model.state_arenas(), detail.num_slots)  # fmt: skip
+                runner.allocate(detail)
             elif kind == "graphs":
-                graphs = detail.graphs(model, cache, device)
-                graphs.capture()
+                runner.capture(detail)
             else:
                 raise ValueError(f"rank 0 sent an unknown message {kind!r}")
+    runner.release_graphs()
 
 
 class TensorParallelRanks:
@@ -380,13 +349,13 @@ class TensorParallelRanks:
     def capture_graphs(self, spec: GraphSpec) -> None:
         self._send("graphs", spec)
 
-    def run(self, plan: dict[str, Any], feed: Feed | None = None) -> None:
+    def run(self, plan: StepPlan, feed: Feed | None = None) -> None:
         """Have every worker run the step `plan` describes (rank 0 runs it next). `feed`: the
         rows whose ids the step in flight samples, which rank 0 broadcasts next
         (`share_inputs`; async scheduling)."""
         self._send("step", (plan, feed))
 
-    def run_each(self, plans: list[dict[str, Any]], feeds: list[Feed] | None = None) -> None:
+    def run_each(self, plans: list[StepPlan], feeds: list[Feed] | None = None) -> None:
         """Have worker `r` run the step `plans[r - 1]` describes (data-parallel attention: each
         rank its own sequences; rank 0 runs its own next), fed as `feeds[r - 1]` says."""
 
