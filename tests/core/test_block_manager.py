@@ -416,3 +416,20 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+def test_hashes_extended_in_bulk_equal_one_block_at_a_time():
+    """extend_block_hashes encodes a prompt's new blocks at once: the digests stay those of
+    hash_block_tokens chained block by block (salt in the first block), however the prompt
+    grows."""
+    blocks = BlockManager(8, 4, True, hash_blocks=True)
+    tokens = [7, -3, 2**40, 0, 5, 5, 5, 5, 1, 2, 3, 4, 9]
+    for salt in (None, "tenant"):
+        grown: list[bytes] = []
+        for end in (3, 6, 13):
+            blocks.extend_block_hashes(tokens[:end], grown, salt)
+        chained, parent = [], None
+        for i in range(len(tokens) // 4):
+            parent = hash_block_tokens(parent, tokens[4 * i : 4 * i + 4], salt)
+            chained.append(parent)
+        assert grown == chained

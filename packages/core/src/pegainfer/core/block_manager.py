@@ -15,6 +15,8 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+import numpy as np
+
 BlockHash = bytes
 """16-byte digest naming a full block of tokens and, through the chain, every token before it."""
 
@@ -34,6 +36,11 @@ def hash_block_tokens(
     never share blocks. `salt` is ignored when `parent` is given. blake2b over a fixed byte
     encoding (little-endian int64 tokens) keeps hashes equal across processes, unlike `hash()`.
     """
+    return _hash_encoded(parent, struct.pack(f"<{len(token_ids)}q", *token_ids), salt)
+
+
+def _hash_encoded(parent: BlockHash | None, encoded: bytes, salt: str | None) -> BlockHash:
+    """`hash_block_tokens` of a block whose tokens are already encoded."""
     h = hashlib.blake2b(digest_size=16)
     if parent is not None:
         h.update(_CHILD + parent)
@@ -42,7 +49,7 @@ def hash_block_tokens(
     else:
         salt_bytes = salt.encode()
         h.update(_ROOT_SALTED + struct.pack("<Q", len(salt_bytes)) + salt_bytes)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(encoded)
     return h.digest()
 
 
@@ -98,9 +105,15 @@ class BlockManager:
         if not self.hash_blocks:
             return
         bs = self.block_size
-        for i in range(len(block_hashes), len(token_ids) // bs):
+        first, end = len(block_hashes), len(token_ids) // bs
+        if end <= first:
+            return
+        # The new blocks' tokens encoded at once (as hash_block_tokens encodes one block).
+        encoded = np.asarray(token_ids[first * bs : end * bs], dtype="<i8").tobytes()
+        width = 8 * bs
+        for i in range(end - first):
             parent = block_hashes[-1] if block_hashes else None
-            block_hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], salt))
+            block_hashes.append(_hash_encoded(parent, encoded[i * width : (i + 1) * width], salt))
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[int]:
         """Return the blocks caching the longest run of leading hashes, at most `max_blocks`.
