@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.latent_attention import FlashInferPagedLatentAttention, LatentShape
+from pegainfer.core.attention.latent import FlashInferPagedLatentAttention, LatentShape
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 LATENT, ROPE, BLOCK, CALLS = 512, 64, 16, 20
 

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from pegainfer.core import engine as engine_module
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.engine import EngineCore
-from pegainfer.core.messages import EngineRequest
-from pegainfer.core.sampler import sample_requests
-from pegainfer.core.sampling_params import SamplingParams
-from pegainfer.core.structured_output import StructuredOutput
+from pegainfer.core.engine import core as engine_module
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.sampling.sampler import sample_requests
+from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.server.bench.make_checkpoint import (
     DEEPSEEK_SHAPES,
     QWEN35_SHAPES,
@@ -305,8 +305,8 @@ def main() -> None:
         "(e.g. 0,0.5,0,0.5) time each batch once per fraction, in that order, on one engine",
     )  # fmt: skip
     parser.add_argument(
-        "--async-scheduling", action="store_true",
-        help="engine with --async-scheduling: a step's host work overlaps the previous step",
+        "--no-async-scheduling", dest="async_scheduling", action="store_false",
+        help="engine with --no-async-scheduling: each step waits for the one before",
     )  # fmt: skip
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1,

@@ -61,8 +61,8 @@ def main() -> None:
     from hypercorn.asyncio import serve  # noqa: F401
 
     from pegainfer.core.args import EngineArgs
-    from pegainfer.core.engine import EngineCore
-    from pegainfer.core.frontend import Frontend
+    from pegainfer.core.engine.core import EngineCore
+    from pegainfer.core.engine.frontend import Frontend
     from pegainfer.server.app import build_app  # noqa: F401
     from pegainfer.server.bench.report import git_revision
 

@@ -2,9 +2,11 @@
 # The engine-step checks and timings of one GPU, in one device call (kernel caches restored
 # by `.gpu/on-device.sh` first), written under $OUT:
 #   STAGES="tests step serve multiturn" bash benchmarks/step_overlap.sh
+# MORE_TESTS adds test paths to the tests stage; PROFILE=1,256 writes kernel tables and host
+# phases of those decode batches (and of their mixed steps) beside the step JSONs.
 # tests: the Qwen3 CUDA tests (graphs, piecewise graphs, async scheduling) and the GPU sampler;
 # step:  benchmarks/model_step.py at Qwen3-4B shapes, batches 1/64/256 with and without a
-#        1k-token prefill beside them, with and without --async-scheduling;
+#        1k-token prefill beside them, with async scheduling (the default) and without;
 # serve: saturated 1k/128 serving of Qwen3-4B (384 prompts, 256 in flight, as issue 19 asks)
 #        for each server flag set in SERVE_MODES, then the warm-prefix ladder on the last one;
 # multiturn: Qwen3-8B's multi-turn run and its batch-1 decode step.
@@ -38,24 +40,25 @@ serve_stop() { kill "$SERVER"; wait "$SERVER"; }
 for stage in $STAGES; do
   case $stage in
     tests)
-      timeout 420 python3 -m pytest -q -x -m "not slow" tests/qwen3/test_engine_gpu.py \
-        tests/core/test_sampler_gpu.py > "$OUT/tests.log" 2>&1
+      timeout 420 python3 -m pytest -q -m "not slow" tests/qwen3/test_engine_gpu.py \
+        tests/core/test_sampler_gpu.py ${MORE_TESTS:-} > "$OUT/tests.log" 2>&1
       echo "tests: exit $? ($(tail -1 "$OUT/tests.log"))"
       ;;
     step)
       checkpoint
       for mode in sync async; do
-        flag=""; [ $mode = async ] && flag="--async-scheduling"
+        flag=""; [ $mode = sync ] && flag="--no-async-scheduling"
         timeout 300 python3 benchmarks/model_step.py --shape "$SHAPE" --model-dir "$CKPT" \
           --batches "${BATCHES:-1,64,256}" --prefill 1024 --mixed-prompt 1024 --steps 30 \
           --revision "$REV" --out "$OUT/step_${SHAPE}_${mode}.json" $flag \
+          ${PROFILE:+--profile $PROFILE} \
           > "$OUT/step_${mode}.log" 2>&1
         echo "step $mode: exit $?"; grep -E "^\{'batch'" "$OUT/step_${mode}.log"
       done
       ;;
     serve)
       checkpoint
-      IFS=";" read -ra modes <<< "${SERVE_MODES:- ;--async-scheduling}"
+      IFS=";" read -ra modes <<< "${SERVE_MODES:---no-async-scheduling; }"
       for mode in "${modes[@]}"; do
         name=$(echo "$mode" | tr -d ' -' | cut -c1-40); name=${name:-default}
         serve_start "$CKPT" $mode
@@ -82,7 +85,7 @@ for stage in $STAGES; do
       echo "multiturn: exit $?"; tail -12 "$OUT/multiturn.log"
       serve_stop
       timeout 200 python3 benchmarks/model_step.py --shape qwen3-8b --model-dir $big \
-        --batches 1 --prefill 1024 --steps 30 --revision "$REV" ${MULTITURN_MODE:+--async-scheduling} \
+        --batches 1 --prefill 1024 --steps 30 --revision "$REV" \
         --out "$OUT/step_qwen3-8b.json" > "$OUT/step_8b.log" 2>&1
       echo "step 8b: exit $?"; grep -E "^\{'batch'" "$OUT/step_8b.log"
       ;;

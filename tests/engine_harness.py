@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.engine import EngineCore
-from pegainfer.core.messages import EngineRequest
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.sampling.sampling_params import SamplingParams
 
 # Engine arguments every test engine gets unless it overrides them; modules that run their
 # tests under both schedulers set "async_scheduling" here (see `both_schedulers`).

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import KVCache
-from pegainfer.core.model_files import read_config
+from pegainfer.core.kv.kv_cache import KVCache
+from pegainfer.core.loading.model_files import read_config
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, RuntimeConfig
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 BLOCK = 4
 

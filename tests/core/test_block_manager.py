@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pegainfer.core.block_manager import BlockManager, hash_block_tokens
+from pegainfer.core.kv.block_manager import BlockManager, hash_block_tokens
 
 
 def hashes_of(bm: BlockManager, tokens: list[int], salt: str | None = None) -> list[bytes]:
@@ -223,7 +223,7 @@ def test_hash_is_a_16_byte_digest_stable_across_processes() -> None:
     digest = hash_block_tokens(hash_block_tokens(None, [1, 2**40], salt="s"), [3, 4])
     assert isinstance(digest, bytes) and len(digest) == 16
     code = (
-        "from pegainfer.core.block_manager import hash_block_tokens as h;"
+        "from pegainfer.core.kv.block_manager import hash_block_tokens as h;"
         "print(h(h(None, [1, 2**40], salt='s'), [3, 4]).hex())"
     )
     for seed in ("1", "2"):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.core.block_manager import BlockManager
-from pegainfer.core.data_parallel import DataParallelScheduler, rank_plans
-from pegainfer.core.forward_batch import DataParallelCounts
-from pegainfer.core.scheduler import Scheduler, SchedulerConfig
-from pegainfer.core.step_plan import StepPlan
+from pegainfer.core.distributed.data_parallel import DataParallelScheduler, rank_plans
+from pegainfer.core.engine.scheduler import Scheduler, SchedulerConfig
+from pegainfer.core.engine.step_plan import StepPlan
+from pegainfer.core.kv.block_manager import BlockManager
+from pegainfer.core.runner.forward_batch import DataParallelCounts
 from tests.core.test_scheduler import BS, request
 
 

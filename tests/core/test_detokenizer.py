@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pegainfer.core.detokenizer import IncrementalDetokenizer
-from pegainfer.core.tiny_tokenizer import write_tiny_tokenizer
-from pegainfer.core.tokenizer import Tokenizer
+from pegainfer.core.text.detokenizer import IncrementalDetokenizer
+from pegainfer.core.text.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.core.text.tokenizer import Tokenizer
 
 FIXTURE_SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

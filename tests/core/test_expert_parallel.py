@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pegainfer.core.expert_parallel import exchange
-from pegainfer.core.parallel import ParallelGroup
+from pegainfer.core.distributed.expert_parallel import exchange
+from pegainfer.core.distributed.parallel import ParallelGroup
 from tests.core.test_parallel import free_port
 
 HIDDEN, EXPERTS, TOP_K = 8, 6, 2

@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from pegainfer.core.attention import PagedIndex
-from pegainfer.core.forward_batch import ForwardBatch, token_slots
+from pegainfer.core.attention.paged import PagedIndex
+from pegainfer.core.runner.forward_batch import ForwardBatch, token_slots
 
 
 def _random_plan(rng: random.Random, block_size: int):

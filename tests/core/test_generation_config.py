@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.generation_config import GenerationDefaults
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.loading.generation_config import GenerationDefaults
+from pegainfer.core.sampling.sampling_params import SamplingParams
 
 # Qwen3-8B's generation_config.json.
 QWEN3 = {

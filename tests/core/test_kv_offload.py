@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.core.kv_cache import ArenaSpec, KVCache
-from pegainfer.core.kv_offload import HostMemoryTier
+from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
+from pegainfer.core.kv.kv_offload import HostMemoryTier
 
 SPECS = [
     ArenaSpec("kv", 3, (2, 4, 2, 8), torch.float32),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.core.kv_cache import ArenaSpec, KVCache
-from pegainfer.core.kv_offload import HostMemoryTier
+from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
+from pegainfer.core.kv.kv_offload import HostMemoryTier
 
 pytestmark = pytest.mark.gpu
 

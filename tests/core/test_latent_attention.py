@@ -8,10 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pegainfer.core import latent_attention
-from pegainfer.core.errors import ConfigError
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.latent_attention import (
+from pegainfer.core.attention import latent as latent_attention
+from pegainfer.core.attention.latent import (
     MLA_PLAN_WORK_ITEMS,
     LatentShape,
     TorchPagedLatentAttention,
@@ -19,7 +17,9 @@ from pegainfer.core.latent_attention import (
     make_latent_attention,
     mla_plan_work_items,
 )
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.model_line import RuntimeConfig
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 HEADS, NOPE, ROPE, RANK, V, BLOCK, SCALE = 4, 16, 8, 32, 16, 4, 0.2
 SHAPE = LatentShape(HEADS, RANK, ROPE, NOPE, V, SCALE)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.latent_attention import (
+from pegainfer.core.attention.latent import (
     FlashInferPagedLatentAttention,
     FlashInferRaggedAttention,
     LatentShape,
@@ -17,6 +16,7 @@ from pegainfer.core.latent_attention import (
     make_latent_attention,
 )
 from pegainfer.core.model_line import RuntimeConfig
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from pegainfer.core import parallel
+from pegainfer.core.distributed import parallel
 from pegainfer.core.ops.activation import silu_and_mul
 
 HIDDEN, INTER, VOCAB = 32, 48, 64

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.engine import EngineCore
+from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.errors import ConfigError, ModelLineError
 from pegainfer.core.model_line import ModelLine, Probe
 from pegainfer.core.plugins import (
@@ -19,7 +19,7 @@ from pegainfer.core.plugins import (
     hookimpl,
     model_lines,
 )
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.sampling.sampling_params import SamplingParams
 from tests.engine_harness import drain, submit
 
 FIXTURE = Path(__file__).parent / "plugin_fixture" / "counting_line.py"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.core.sampler import SamplingBatch, filtered_probs, sample
+from pegainfer.core.sampling.sampler import SamplingBatch, filtered_probs, sample
 
 V = 8
 
@@ -140,7 +140,7 @@ def test_logit_bias_is_added_before_everything_else():
 def test_penalties_match_a_reference_computation():
     """Repetition on every token seen (prompt and output), then frequency and presence on the
     output's counts — computed here element by element."""
-    from pegainfer.core.sampler import Penalties
+    from pegainfer.core.sampling.sampler import Penalties
 
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -0.2, 1.0, 0.0, -2.0])
     prompt, output = [1, 2], [3, 3, 4, 1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.core.sampler import SamplingBatch, filtered_probs, sample
+from pegainfer.core.sampling.sampler import SamplingBatch, filtered_probs, sample
 
 pytestmark = pytest.mark.gpu
 V = 1000

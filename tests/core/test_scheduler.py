@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pegainfer.core.block_manager import BlockManager
-from pegainfer.core.messages import EngineRequest
-from pegainfer.core.request import Request, RequestStatus
-from pegainfer.core.sampling_params import SamplingParams
-from pegainfer.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.engine.request import Request, RequestStatus
+from pegainfer.core.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+from pegainfer.core.kv.block_manager import BlockManager
+from pegainfer.core.sampling.sampling_params import SamplingParams
 
 BS = 4
 

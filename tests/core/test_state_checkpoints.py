@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pegainfer.core.state_checkpoints import StateCheckpoints
+from pegainfer.core.kv.state_checkpoints import StateCheckpoints
 
 
 def hashes(n: int) -> list[bytes]:

@@ -12,11 +12,11 @@ import llguidance
 import pytest
 import torch
 
+from pegainfer.core.engine.messages import EngineRequest
 from pegainfer.core.errors import InvalidRequestError
-from pegainfer.core.messages import EngineRequest
-from pegainfer.core.sampling_params import SamplingParams
-from pegainfer.core.structured_output import StructuredOutput, mask_logits
-from pegainfer.core.tokenizer import Tokenizer
+from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.sampling.structured_output import StructuredOutput, mask_logits
+from pegainfer.core.text.tokenizer import Tokenizer
 from pegainfer.models.qwen3.line import Qwen3Line
 from tests.engine_harness import (
     both_schedulers,  # noqa: F401 (a fixture)

@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from pegainfer.core.distributed.tensor_parallel import (
+    RankFailedError,
+    TensorParallelRanks,
+    WorkerSpec,
+)
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.sampling_params import SamplingParams
-from pegainfer.core.tensor_parallel import RankFailedError, TensorParallelRanks, WorkerSpec
+from pegainfer.core.sampling.sampling_params import SamplingParams
 from tests.engine_harness import drain, generate, greedy, make_engine, submit
 from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
 
@@ -293,7 +297,7 @@ def test_workers_still_loading_stop_when_rank_0_fails_to_load(checkpoint, monkey
 def test_the_engine_loop_stops_the_workers_when_it_ends(checkpoint):
     """The loop shuts its engine down from its own thread (graphs, then the communicator, then
     the workers), not at exit: NCCL's teardown at exit waits on the graphs still alive."""
-    from pegainfer.core.engine_loop import EngineLoop
+    from pegainfer.core.engine.loop import EngineLoop
 
     engine = make_engine(checkpoint, tensor_parallel_size=2)
     loop = EngineLoop(engine, lambda data: None)
@@ -446,7 +450,7 @@ def test_data_parallel_attention_is_refused_for_a_line_that_does_not_declare_it(
     """A line runs data-parallel attention only if it says so (its forward must exchange
     tokens and return every rank's rows on rank 0)."""
     from pegainfer.core.args import EngineArgs
-    from pegainfer.core.engine import EngineCore
+    from pegainfer.core.engine.core import EngineCore
     from pegainfer.models.deepseek.line import DeepseekLine
     from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
 
@@ -478,7 +482,7 @@ def test_what_data_parallel_attention_does_not_cover_is_refused(args, error):
 def test_the_gpus_for_tensor_parallelism_are_checked(monkeypatch, device, visible,
                                                                    error):  # fmt: skip
     from pegainfer.core.args import EngineArgs
-    from pegainfer.core.engine import EngineCore
+    from pegainfer.core.engine.core import EngineCore
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     args = EngineArgs(model="unused", tensor_parallel_size=2)
@@ -487,7 +491,7 @@ def test_the_gpus_for_tensor_parallelism_are_checked(monkeypatch, device, visibl
 
 
 def test_nvlink_multicast_stays_off_unless_the_user_says_otherwise(monkeypatch):
-    from pegainfer.core.tensor_parallel import keep_multicast_off
+    from pegainfer.core.distributed.tensor_parallel import keep_multicast_off
 
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")  # the user's own choice
@@ -499,7 +503,7 @@ def test_nvlink_multicast_stays_off_unless_the_user_says_otherwise(monkeypatch):
 
 @pytest.mark.parametrize("value", ["soon", "0", "-5"])
 def test_a_bad_collective_time_limit_is_refused(monkeypatch, value):
-    from pegainfer.core.tensor_parallel import collective_timeout
+    from pegainfer.core.distributed.tensor_parallel import collective_timeout
 
     monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", value)
     with pytest.raises(ConfigError, match="PEGAINFER_TP_TIMEOUT_S"):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.engine import EngineCore
-from pegainfer.core.messages import TokenLogprob
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.engine.messages import TokenLogprob
+from pegainfer.core.sampling.sampling_params import SamplingParams
 from tests.engine_harness import generate, greedy, submit
 from tests.qwen3.golden_gate import HEAD_K, MEAN_TOL, P99_TOL, REGRET_TOL
 

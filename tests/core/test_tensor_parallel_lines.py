@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pegainfer.core.distributed.parallel import ParallelGroup
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.model_files import read_config
+from pegainfer.core.loading.model_files import read_config
 from pegainfer.core.model_line import ModelContext, RuntimeConfig
-from pegainfer.core.parallel import ParallelGroup
 from pegainfer.models.deepseek.line import DeepseekLine
 from pegainfer.models.qwen3.line import Qwen3Line
 from pegainfer.models.qwen35.line import Qwen35Line

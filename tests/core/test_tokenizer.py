@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from pegainfer.core.errors import ConfigError, InvalidRequestError
-from pegainfer.core.tiny_tokenizer import write_tiny_tokenizer
-from pegainfer.core.tokenizer import Tokenizer
+from pegainfer.core.text.tiny_tokenizer import write_tiny_tokenizer
+from pegainfer.core.text.tokenizer import Tokenizer
 
 QWEN3_TEMPLATE = (
     resources.files("pegainfer.models.qwen3").joinpath("chat_template.jinja").read_text()

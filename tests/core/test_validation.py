@@ -6,7 +6,7 @@ import pytest
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.errors import ConfigError, InvalidRequestError
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.sampling.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_bad_engine_args(field, value, message):
 def test_dtype_resolution():
     import torch
 
-    from pegainfer.core.engine import resolve_dtype
+    from pegainfer.core.engine.core import resolve_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, cpu) is torch.float32

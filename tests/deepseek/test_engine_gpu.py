@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.engine import EngineCore
+from pegainfer.core.engine.core import EngineCore
 from pegainfer.server.bench.make_checkpoint import DEEPSEEK_SHAPES
 from tests.deepseek.hf_reference import SMALL
 from tests.qwen3.golden_gate import (
@@ -86,7 +86,7 @@ def small(tmp_path_factory):
 
 
 def test_the_engine_runs_flashinfer_mla_and_decode_graphs(small):
-    from pegainfer.core.latent_attention import (
+    from pegainfer.core.attention.latent import (
         FlashInferPagedLatentAttention,
         FlashInferRaggedAttention,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 
 from pegainfer.core.llm import LLM
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.sampling.sampling_params import SamplingParams
 from pegainfer.core.tiny import main as tiny_main
 from tests.server.conftest import start_server, stop_server
 

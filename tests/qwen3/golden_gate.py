@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from pegainfer.core.engine import EngineCore
-from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 REGRET_TOL, MEAN_TOL, P99_TOL = 0.20, 0.06, 0.20
 HEAD_K, HF_TOP = 8, 64

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pegainfer.core.messages import EngineRequest
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.sampling.sampling_params import SamplingParams
 from tests.engine_harness import drain, make_engine
 from tests.qwen3.hf_reference import VOCAB
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.attention import TorchPagedAttention
-from pegainfer.core.engine import EngineCore
-from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.attention.paged import TorchPagedAttention
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.runner.forward_batch import ForwardBatch
 from tests.qwen3.golden_gate import (
     GateResult,
     TeacherForcer,

@@ -6,9 +6,9 @@ import queue
 
 import pytest
 
-from pegainfer.core.engine_loop import EngineLoop, decode_outputs
-from pegainfer.core.messages import AbortRequest, EngineRequest
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.engine.loop import EngineLoop, decode_outputs
+from pegainfer.core.engine.messages import AbortRequest, EngineRequest
+from pegainfer.core.sampling.sampling_params import SamplingParams
 from tests.engine_harness import generate, greedy, make_engine
 
 
@@ -68,8 +68,8 @@ def test_a_failing_step_ends_every_request_in_flight(hf_checkpoints):
 
     import pytest
 
-    from pegainfer.core.frontend import Frontend
-    from pegainfer.core.metrics import Metrics
+    from pegainfer.core.engine.frontend import Frontend
+    from pegainfer.core.engine.metrics import Metrics
     from pegainfer.models.qwen3.line import Qwen3Line
     from pegainfer.server.engine_client import AsyncEngineClient, EngineFailedError
 

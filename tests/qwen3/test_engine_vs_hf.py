@@ -105,7 +105,7 @@ def test_logprobs_are_transformers_log_softmax(reference):
     """Each sampled token's logprob, rank and top 5 equal transformers' log-softmax at its
     position (sampled at temperature 1, with a bias and a penalty that must not change the
     reported distribution), batched with requests that ask for none."""
-    from pegainfer.core.sampling_params import SamplingParams
+    from pegainfer.core.sampling.sampling_params import SamplingParams
 
     path, batch, _ = reference
     engine = make_engine(path)
@@ -141,7 +141,7 @@ def test_logprobs_are_transformers_log_softmax(reference):
 def test_prompt_logprobs_are_transformers_log_softmax(reference):
     """Every prompt token after the first, scored by the prompt before it, across prefill
     chunks of 16 tokens and although the prompt sits in the prefix cache already."""
-    from pegainfer.core.sampling_params import SamplingParams
+    from pegainfer.core.sampling.sampling_params import SamplingParams
 
     path, batch, _ = reference
     engine = make_engine(path, max_num_batched_tokens=16, enable_chunked_prefill=True)

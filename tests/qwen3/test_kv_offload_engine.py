@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pegainfer.core.kv_offload import OffloadBackend, Transfer
+from pegainfer.core.kv.kv_offload import OffloadBackend, Transfer
 from tests.engine_harness import (
     both_schedulers,  # noqa: F401 (a fixture)
     drain,

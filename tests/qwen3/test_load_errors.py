@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pegainfer.core.errors import ConfigError, InvalidRequestError, ModelLineError, WeightLoadError
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.sampling.sampling_params import SamplingParams
 from tests.engine_harness import drain, greedy, make_engine, submit
 
 

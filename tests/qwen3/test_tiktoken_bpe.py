@@ -18,7 +18,7 @@ import pytest
 import transformers
 from tokenizers import normalizers
 
-from pegainfer.core.tokenizer import Tokenizer
+from pegainfer.core.text.tokenizer import Tokenizer
 from pegainfer.models.qwen3.real_tokenizer import (
     ADDED_TOKENS,
     SPECIAL_TOKENS,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.engine import EngineCore
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.model_files import read_config
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.loading.model_files import read_config
 from pegainfer.core.model_line import ModelContext, RuntimeConfig
+from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.qwen35.line import Qwen35Line
 from tests.paged_runner import BLOCK, PagedRunner
 from tests.qwen3.golden_gate import (

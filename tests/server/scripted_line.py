@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec
+from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache, StateSpec
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe, RuntimeConfig
 from pegainfer.core.plugins import hookimpl
-from pegainfer.core.tokenizer import Tokenizer
+from pegainfer.core.runner.forward_batch import ForwardBatch
+from pegainfer.core.text.tokenizer import Tokenizer
 
 RANDOM_DIGIT = -1
 

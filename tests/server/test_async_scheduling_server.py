@@ -1,4 +1,5 @@
-"""The server with --async-scheduling answers concurrent streams as the default server does."""
+"""The server with --no-async-scheduling (step by step) answers concurrent streams as the
+default (async) server does."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from tests.server.conftest import start_server, stop_server
 
 
 @pytest.fixture(scope="module")
-def async_server(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("async-log") / "server.log"
-    running = start_server(tiny_model, log, "--max-model-len", "512", "--async-scheduling")
+def stepwise_server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("stepwise-log") / "server.log"
+    running = start_server(tiny_model, log, "--max-model-len", "512", "--no-async-scheduling")
     yield running
     stop_server(running)
 
@@ -30,6 +31,6 @@ def completions(server, prompts: list[str]) -> list[str]:
         return list(pool.map(one, prompts))
 
 
-def test_concurrent_streams_match_the_default_server(server, async_server):
+def test_concurrent_streams_match_the_default_server(server, stepwise_server):
     prompts = [f"Request number {i} asks about {'blocks ' * i}" for i in range(8)]
-    assert completions(async_server, prompts) == completions(server, prompts)
+    assert completions(stepwise_server, prompts) == completions(server, prompts)

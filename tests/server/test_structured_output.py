@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from pegainfer.core.structured_output import Grammars, StructuredOutput
+from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "warm"],
           "properties": {"city": {"type": "string", "maxLength": 6},

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache
+from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe, RuntimeConfig
 from pegainfer.core.plugins import hookimpl
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 
 class CountingModel(Model):

@@ -15,7 +15,7 @@ __path__ = extend_path(__path__, __name__)
 _EXPORTS = {
     "LLM": "pegainfer.core.llm",
     "EngineArgs": "pegainfer.core.args",
-    "SamplingParams": "pegainfer.core.sampling_params",
+    "SamplingParams": "pegainfer.core.sampling.sampling_params",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -92,10 +92,11 @@ class EngineArgs:
         "--no-mixed-step-graphs",
     )
     async_scheduling: bool = _arg(
-        False,
-        "Schedule and launch each step before the previous step's tokens reach the host, so "
-        "the host's work overlaps the GPU's (a request that stops costs one wasted row).",
-        "--async-scheduling",
+        True,
+        "Wait for each step's tokens before scheduling the next, instead of scheduling and "
+        "launching it while the step before runs on the GPU (async scheduling overlaps the "
+        "host's work with the GPU's; a request that stops costs it one wasted row).",
+        "--no-async-scheduling",
     )
     tensor_parallel_size: int = _arg(
         1,

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.engine import EngineCore
-from pegainfer.core.frontend import Frontend, RequestStream
-from pegainfer.core.sampling_params import SamplingParams
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.engine.frontend import Frontend, RequestStream
+from pegainfer.core.sampling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]

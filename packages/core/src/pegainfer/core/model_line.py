@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pegainfer.core.parallel import ParallelGroup
+from pegainfer.core.distributed.parallel import ParallelGroup
 
 if TYPE_CHECKING:
-    from pegainfer.core.attention import PagedAttention
-    from pegainfer.core.forward_batch import ForwardBatch
-    from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec
-    from pegainfer.core.scheduler import Scheduler
+    from pegainfer.core.attention.paged import PagedAttention
+    from pegainfer.core.engine.scheduler import Scheduler
+    from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache, StateSpec
+    from pegainfer.core.runner.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class ModelLine(ABC):
 
     def scheduler_class(self) -> type[Scheduler]:
         """The scheduler this family runs under; core's default suits dense attention."""
-        from pegainfer.core.scheduler import Scheduler
+        from pegainfer.core.engine.scheduler import Scheduler
 
         return Scheduler
 

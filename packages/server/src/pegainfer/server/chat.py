@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pegainfer.core.engine.frontend import RequestStream, StreamDelta
+from pegainfer.core.engine.messages import EngineRequest
 from pegainfer.core.errors import InvalidRequestError
-from pegainfer.core.frontend import RequestStream, StreamDelta
-from pegainfer.core.messages import EngineRequest
 from pegainfer.server.engine_client import AsyncEngineClient
 from pegainfer.server.errors import bad_request
 from pegainfer.server.logprobs import LogprobsFormatter, chat_count

@@ -134,9 +134,9 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
-    from pegainfer.core.engine import EngineCore
-    from pegainfer.core.frontend import Frontend
-    from pegainfer.core.metrics import Metrics
+    from pegainfer.core.engine.core import EngineCore
+    from pegainfer.core.engine.frontend import Frontend
+    from pegainfer.core.engine.metrics import Metrics
     from pegainfer.server.app import ServerState, build_app
     from pegainfer.server.engine_client import AsyncEngineClient
 

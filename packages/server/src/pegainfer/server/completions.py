@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
-from pegainfer.core.frontend import RequestStream, StreamDelta
-from pegainfer.core.messages import EngineRequest, TokenLogprob
+from pegainfer.core.engine.frontend import RequestStream, StreamDelta
+from pegainfer.core.engine.messages import EngineRequest, TokenLogprob
 from pegainfer.server.engine_client import AsyncEngineClient
 from pegainfer.server.errors import bad_request
 from pegainfer.server.logprobs import LogprobsFormatter, completion_count

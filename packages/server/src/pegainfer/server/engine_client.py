@@ -12,11 +12,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pegainfer.core.engine import EngineCore
-from pegainfer.core.engine_loop import EngineLoop, decode_outputs
-from pegainfer.core.frontend import Frontend, RequestStream, StreamDelta
-from pegainfer.core.messages import AbortRequest, EngineRequest, RequestOutput
-from pegainfer.core.metrics import Metrics
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.engine.frontend import Frontend, RequestStream, StreamDelta
+from pegainfer.core.engine.loop import EngineLoop, decode_outputs
+from pegainfer.core.engine.messages import AbortRequest, EngineRequest, RequestOutput
+from pegainfer.core.engine.metrics import Metrics
 
 
 class EngineFailedError(RuntimeError):

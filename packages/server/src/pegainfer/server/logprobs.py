@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pegainfer.core.messages import TokenLogprob
-from pegainfer.core.sampling_params import MAX_LOGPROBS
-from pegainfer.core.tokenizer import Tokenizer
+from pegainfer.core.engine.messages import TokenLogprob
+from pegainfer.core.sampling.sampling_params import MAX_LOGPROBS
+from pegainfer.core.text.tokenizer import Tokenizer
 from pegainfer.server.errors import bad_request
 from pegainfer.server.protocol import (
     ChatLogprobs,

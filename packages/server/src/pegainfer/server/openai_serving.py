@@ -10,11 +10,11 @@ from typing import Any
 
 import msgspec
 
+from pegainfer.core.engine.frontend import RequestStream, StreamDelta
+from pegainfer.core.engine.messages import EngineRequest
 from pegainfer.core.errors import InvalidRequestError
-from pegainfer.core.frontend import RequestStream, StreamDelta
-from pegainfer.core.messages import EngineRequest
-from pegainfer.core.sampling_params import SamplingParams
-from pegainfer.core.structured_output import StructuredOutput
+from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.server.engine_client import (
     AsyncEngineClient,
     EngineFailedError,

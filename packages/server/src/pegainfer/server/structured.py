@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from pegainfer.core.errors import InvalidRequestError
-from pegainfer.core.structured_output import StructuredOutput
+from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.server.errors import bad_request
 
 

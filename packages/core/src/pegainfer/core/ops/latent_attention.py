@@ -13,7 +13,7 @@ up-projected from the latents, packed sequence after sequence.
 
 import torch
 
-from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 
 def paged_latent_attention(

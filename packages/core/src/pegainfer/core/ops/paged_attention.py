@@ -7,7 +7,7 @@ block), FlashInfer's NHD paged layout, so the fast path reads the same memory.
 import torch
 import torch.nn.functional as F
 
-from pegainfer.core.forward_batch import ForwardBatch
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:

@@ -1,7 +1,7 @@
 """DeepSeek-V2's forward pass over a paged latent cache: MLA attention, then a dense MLP
 (the first `first_k_dense_replace` layers) or routed plus shared experts.
 
-Under tensor parallelism (`core.parallel`) each rank holds its share of the attention heads,
+Under tensor parallelism (`distributed.parallel`) each rank holds its share of the attention heads,
 of the dense and shared MLPs' width and of the vocabulary, and its share of every routed
 expert's width or, with expert parallelism (`ModelContext.expert_parallel`), a range of whole
 routed experts. Either way every rank routes every token, computes its terms, and one
@@ -33,19 +33,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.core import expert_parallel, parallel
-from pegainfer.core.errors import ConfigError
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache
-from pegainfer.core.latent_attention import (
+from pegainfer.core.attention.latent import (
     LatentShape,
     MultiHeadLatentAttention,
     make_latent_attention,
 )
+from pegainfer.core.distributed import expert_parallel, parallel
+from pegainfer.core.errors import ConfigError
+from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.layer_ops import LayerOps, layer_ops
+from pegainfer.core.loading.weights import WeightTarget, empty_param
 from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import rms_norm
-from pegainfer.core.weights import WeightTarget, empty_param
+from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.deepseek import ops
 from pegainfer.models.deepseek.config import DeepseekConfig
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from pegainfer.core.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.core.tiny import save_sharded
-from pegainfer.core.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.models.deepseek.config import DeepseekConfig
 
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]

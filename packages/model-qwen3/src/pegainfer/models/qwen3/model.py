@@ -5,7 +5,7 @@ following transformers' `Qwen3ForCausalLM` op for op, casts included) and, on CU
 Triton kernels plus FlashInfer attention. Parameters are fused where the GPU path wants them
 fused: q/k/v in one matrix, gate/up in one.
 
-Under tensor parallelism (`core.parallel`) each rank holds its share of the attention heads,
+Under tensor parallelism (`distributed.parallel`) each rank holds its share of the attention heads,
 KV heads and MLP width (column-parallel q/k/v and gate/up, row-parallel o and down, whose
 outputs are summed over the ranks) and of the vocabulary (embedding and LM head); `cfg` is the
 rank's own shape, `full_cfg` the checkpoint's.
@@ -20,16 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.core import parallel
-from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attention
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache
+from pegainfer.core.attention.paged import GQAShape, PagedAttention, make_paged_attention
+from pegainfer.core.distributed import parallel
+from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.layer_ops import LayerOps, layer_ops
+from pegainfer.core.loading.weights import WeightTarget, empty_param
 from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
-from pegainfer.core.weights import WeightTarget, empty_param
+from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.qwen3.config import Qwen3Config
 
 

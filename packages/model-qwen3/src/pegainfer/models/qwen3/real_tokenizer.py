@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import normalizers
 
-from pegainfer.core.tiny_tokenizer import write_tokenizer_config
+from pegainfer.core.text.tiny_tokenizer import write_tokenizer_config
 from pegainfer.models.qwen3.tiktoken_bpe import convert_tiktoken_bpe
 from pegainfer.models.qwen3.tiny import write_generation_config
 

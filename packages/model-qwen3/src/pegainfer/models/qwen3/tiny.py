@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from pegainfer.core.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.core.tiny import save_sharded
-from pegainfer.core.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.models.qwen3.config import Qwen3Config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pegainfer.core.loading.weights import build_and_load
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
-from pegainfer.core.weights import build_and_load
 from pegainfer.models.qwen35.config import Qwen35Config
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")

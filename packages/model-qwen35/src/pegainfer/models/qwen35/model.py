@@ -25,17 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.core import parallel
-from pegainfer.core.attention import GQAShape, PagedAttention, make_paged_attention
+from pegainfer.core.attention.paged import GQAShape, PagedAttention, make_paged_attention
+from pegainfer.core.distributed import parallel
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.forward_batch import ForwardBatch
-from pegainfer.core.kv_cache import ArenaSpec, KVCache, StateSpec
+from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache, StateSpec
 from pegainfer.core.layer_ops import LayerOps, layer_ops
+from pegainfer.core.loading.weights import WeightTarget, empty_param
 from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
-from pegainfer.core.weights import WeightTarget, empty_param
+from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.qwen35 import ops
 from pegainfer.models.qwen35.config import FULL, Qwen35Config
 

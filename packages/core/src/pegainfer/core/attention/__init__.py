@@ -1,0 +1,2 @@
+"""Attention backends: paged GQA and MLA (latent), each a torch reference and a FlashInfer
+implementation."""

@@ -1,0 +1,215 @@
+"""Paged GQA attention: one interface, a torch reference and a FlashInfer implementation.
+
+A model plans attention once per step (`plan`), outside any CUDA graph, then calls `run` in
+every layer. The FlashInfer backend runs mixed steps (prefill chunks and decodes) through one
+batch-prefill plan, decodes being one-row queries, and pure-decode steps captured in CUDA
+graphs through a decode wrapper per batch-size bucket with fixed index buffers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from pegainfer.core.ops.paged_attention import paged_attention
+from pegainfer.core.runner.forward_batch import ForwardBatch
+
+_WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class GQAShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+class PagedAttention(ABC):
+    """Causal attention of a step's queries over each sequence's paged K/V.
+
+    While piecewise graphs are captured (`piecewise_graphs.py`), `split` is set and `run`
+    calls it instead: the capture ends there and the call's output is a static buffer.
+    """
+
+    def __init__(self, shape: GQAShape) -> None:
+        self.shape = shape
+        self.split: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Prepare for `run` calls on `batch` (once per step, never inside a CUDA graph)."""
+
+    def run(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [tokens, heads, head_dim] → output of the same shape (into `out` if given), for
+        one layer's cache."""
+        if self.split is not None:
+            return self.split(q, kv_layer)
+        return self._attend(q, kv_layer, torch.empty_like(q) if out is None else out)
+
+    @abstractmethod
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`run`'s attention, into `out`."""
+
+    def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        """Plan a pure-decode batch padded to `bucket` rows for a captured graph."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+
+class TorchPagedAttention(PagedAttention):
+    """The reference: per-sequence SDPA over gathered blocks."""
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self._batch = batch
+
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(paged_attention(q, kv_layer, self._batch, self.shape.scale))
+
+
+@dataclass
+class PagedIndex:
+    """FlashInfer's description of the pages each sequence reads (int32)."""
+
+    kv_indptr: torch.Tensor  # [B + 1] host
+    kv_indices: torch.Tensor  # [pages] device
+    last_page_len: torch.Tensor  # [B] host
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, device: torch.device) -> PagedIndex:
+        bs = batch.block_size
+        seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int32)
+        pages = (seq_lens + bs - 1) // bs
+        indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
+        held = [table[:p] for table, p in zip(batch.block_tables_cpu, pages.tolist(), strict=True)]
+        indices = np.fromiter(chain.from_iterable(held), np.int32, int(indptr[-1]))
+        return cls(
+            kv_indptr=torch.from_numpy(indptr).pin_memory(),
+            kv_indices=torch.from_numpy(indices).pin_memory().to(device, non_blocking=True),
+            last_page_len=torch.from_numpy(seq_lens - (pages - 1) * bs).pin_memory(),
+        )
+
+
+class PlanStaging:
+    """FlashInfer's plan() stages its schedule in a pinned host buffer and copies it
+    asynchronously; planning again before that copy ran would overwrite it in flight. Each
+    plan runs as `with staging: wrapper.plan(...)`, after the previous one's copy."""
+
+    def __init__(self) -> None:
+        self._planned: torch.cuda.Event | None = None
+
+    def __enter__(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def __exit__(self, *exc: object) -> None:
+        self._planned = torch.cuda.Event()
+        self._planned.record()
+
+
+class FlashInferPagedAttention(PagedAttention):
+    def __init__(
+        self,
+        shape: GQAShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_pages_per_seq: int,
+        graph_buckets: tuple[int, ...] = (),
+    ) -> None:
+        import flashinfer
+
+        super().__init__(shape)
+        self.dtype = dtype
+        self.device = device
+        self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa2"
+        )
+        tensor_cores = shape.num_heads // shape.num_kv_heads >= 4
+        # One set of index buffers, sliced per bucket: graphs replay one at a time.
+        largest = max(graph_buckets, default=0)
+        indptr = torch.zeros(largest + 1, dtype=torch.int32, device=device)
+        indices = torch.zeros(largest * max_pages_per_seq, dtype=torch.int32, device=device)
+        last_page_len = torch.zeros(largest, dtype=torch.int32, device=device)
+        self._graph_decode = {
+            bucket: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=indptr[: bucket + 1],
+                paged_kv_indices_buffer=indices[: bucket * max_pages_per_seq],
+                paged_kv_last_page_len_buffer=last_page_len[:bucket],
+            )
+            for bucket in graph_buckets
+        }
+        self._active = self._prefill
+        self._staging = PlanStaging()
+
+    def plan(self, batch: ForwardBatch) -> None:
+        index = PagedIndex.of(batch, self.device)
+        qo_indptr = batch.query_start_loc_cpu.pin_memory()
+        s = self.shape
+        with self._staging:
+            self._prefill.plan(
+                qo_indptr,
+                index.kv_indptr,
+                index.kv_indices,
+                index.last_page_len,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                batch.block_size,
+                causal=True,
+                sm_scale=s.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+        self._active = self._prefill
+
+    def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        index = PagedIndex.of(batch, self.device)
+        s = self.shape
+        wrapper = self._graph_decode[bucket]
+        with self._staging:
+            wrapper.plan(
+                index.kv_indptr,
+                index.kv_indices,
+                index.last_page_len,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                batch.block_size,
+                sm_scale=s.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+        self._active = wrapper
+
+    def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # Into a preallocated output: without one, the prefill wrapper zero-fills its own.
+        self._active.run(q, kv_layer, out=out)
+        return out
+
+
+def make_paged_attention(
+    shape: GQAShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_pages_per_seq: int,
+    graph_buckets: tuple[int, ...] = (),
+) -> PagedAttention:
+    """FlashInfer on CUDA, the torch reference elsewhere."""
+    if device.type == "cuda":
+        return FlashInferPagedAttention(shape, dtype, device, max_pages_per_seq, graph_buckets)
+    return TorchPagedAttention(shape)

@@ -1,0 +1,1 @@
+"""Parallelism: sharded layers, tensor-parallel and data-parallel ranks, the expert exchange."""

@@ -1,0 +1,658 @@
+"""The engine core: one model, its KV cache, a scheduler and a sampler, stepped by its owner.
+
+It speaks only in token ids and the structs of `messages.py`. Tokenization, detokenization and
+stop strings belong to the frontend; the engine handles stops it can see in token ids.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.distributed.data_parallel import DataParallelScheduler, rank_plans
+from pegainfer.core.distributed.tensor_parallel import TensorParallelRanks, WorkerSpec
+from pegainfer.core.engine.messages import EngineRequest, EngineStats, RequestOutput
+from pegainfer.core.engine.request import Request
+from pegainfer.core.engine.scheduler import (
+    ScheduledChunk,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStep,
+)
+from pegainfer.core.engine.step_plan import StepPlan
+from pegainfer.core.errors import ConfigError, InvalidRequestError
+from pegainfer.core.kv.block_manager import BlockManager
+from pegainfer.core.kv.kv_cache import (
+    ArenaSpec,
+    StateSpec,
+    blocks_for_memory,
+    bytes_per_block,
+)
+from pegainfer.core.kv.kv_offload import HostMemoryTier
+from pegainfer.core.loading.model_files import read_config, resolve_model_dir
+from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
+from pegainfer.core.plugins import detect_model_line, model_lines
+from pegainfer.core.runner.cuda_graphs import graph_buckets
+from pegainfer.core.runner.forward_batch import Feed, ForwardBatch, LogitsRows, to_device
+from pegainfer.core.runner.memory import KVSizing, fit_kv_blocks
+from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunner
+from pegainfer.core.runner.piecewise_graphs import token_buckets
+from pegainfer.core.sampling.sampler import ScoredTokens, sample_requests
+from pegainfer.core.sampling.structured_output import Grammars
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The arguments resolved against the model and the machine."""
+
+    model_dir: Path
+    tokenizer_dir: Path
+    model_config: dict[str, Any]
+    line: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int
+    # The line's default chat answer parsers (registered names).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} was asked for, but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """`auto` computes in float32 on the CPU; on CUDA it keeps a 16-bit checkpoint's dtype and
+    serves float32 checkpoints in bfloat16, since the CUDA kernels are 16-bit only."""
+    if device.type == "cpu":
+        return torch.float32 if name == "auto" else _DTYPES[name]
+    if name == "float32":
+        raise ConfigError(
+            "dtype float32 is not supported on CUDA (the attention kernels are 16-bit); "
+            "use bfloat16 or float16, or device cpu"
+        )
+    if name != "auto":
+        return _DTYPES[name]
+    declared = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return torch.float16 if declared == "float16" else torch.bfloat16
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled tokens have not reached the host.
+
+    Its results are copied to the host as part of the step itself (non-blocking copies into
+    pinned memory, then an event): waiting for them waits for this step only, not for the
+    step launched after it, which a plain `.tolist()` on the stream would.
+    """
+
+    step: SchedulerStep
+    tokens: torch.Tensor  # one per sampling chunk, on the device
+    rows: dict[int, int]  # id(request) -> its row in `tokens`
+    logprobs: tuple[list[int], ScoredTokens] | None = None  # the rows that asked, scored
+    # Prompt logprobs: (request, position of the first token scored, its tokens, scores).
+    prompt_logprobs: list[tuple[Request, int, list[int], ScoredTokens]] = field(
+        default_factory=list
+    )
+    _host_tokens: torch.Tensor | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        """Start the copies to the host behind the step's work."""
+        self._host_tokens = self.tokens.to("cpu", non_blocking=True)
+        if self.logprobs is not None:
+            self.logprobs = (self.logprobs[0], self.logprobs[1].to_host_async())
+        self.prompt_logprobs = [
+            (request, position, targets, scores.to_host_async())
+            for request, position, targets, scores in self.prompt_logprobs
+        ]
+        if self.tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids, once they are on the host (waits for this step's copies)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host_tokens.tolist()
+
+    def fed_ids(self, step: SchedulerStep) -> torch.Tensor:
+        """The tokens this step samples that `step` feeds (its requests' pending ones), in
+        chunk order, on the device."""
+        sources = [self.rows[id(c.request)] for c in step.chunks if c.request.num_pending]
+        # int64 whatever the sampler gave: the other ranks receive them as such.
+        return self.tokens[to_device(sources, self.tokens.device)].long()
+
+
+def _feeds(step: SchedulerStep) -> list[Feed]:
+    """Each rank's rows fed by the step in flight (one rank's unless `step` has `parts`): a
+    request scheduled with a pending token (the one that step samples) has it as its last
+    input."""
+    feeds, start = [], 0
+    for part in step.parts or [step]:
+        rows, end = [], 0
+        for chunk in part.chunks:
+            end += chunk.num_tokens
+            if chunk.request.num_pending:
+                rows.append(end - 1)
+        feeds.append((tuple(rows), start))
+        start += len(rows)
+    return [Feed(rows, first, start) for rows, first in feeds]
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
+        args.validate()
+        model_dir = resolve_model_dir(args.model, args.revision)
+        tokenizer_dir = model_dir
+        if args.tokenizer is not None:
+            tokenizer_dir = resolve_model_dir(args.tokenizer, args.revision, "tokenizer.json")
+        model_config = read_config(model_dir)
+        line = detect_model_line(model_config, model_lines() if lines is None else lines)
+        ignored = sorted(line.unsupported_args & args.explicit_fields())
+        if ignored:
+            raise ConfigError(
+                f"the {line.name!r} model line does not use these arguments: {', '.join(ignored)}"
+            )
+        if args.data_parallel_size > 1 and not line.supports_data_parallel:
+            raise ConfigError(
+                f"the {line.name!r} model line does not run data-parallel attention "
+                "(--data-parallel-size): it has no experts for the ranks to share"
+            )
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, model_config, device)
+        logger.info(
+            "Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype
+        )
+        self.ranks: TensorParallelRanks | None = None
+        self.runner: ModelRunner | None = None  # once the model is built
+        spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device),
+                          args.enable_expert_parallel, args.data_parallel_size > 1)  # fmt: skip
+        world = args.tensor_parallel_size * args.data_parallel_size
+        if world > 1:
+            self._check_parallel(args, device, world)
+            self.ranks = TensorParallelRanks(world, spec)
+        try:
+            self._set_up(args, line, tokenizer_dir, spec.context(device, 0, world))
+        except BaseException:
+            self.shutdown()  # the workers and their process group end with the failed engine
+            raise
+
+    def _set_up(
+        self, args: EngineArgs, line: ModelLine, tokenizer_dir: Path, context: ModelContext
+    ) -> None:
+        """Everything after the ranks start: the model (rank 0's share: `context`), its cache
+        and graphs, the scheduler."""
+        model_dir, device = context.model_dir, context.device
+        self.model = line.build_model(context)
+        self.model.eval()
+        self.runner = ModelRunner(self.model, device)
+        if self.ranks is not None:  # the workers loaded their shares meanwhile
+            self.ranks.join()
+
+        max_model_len = args.max_model_len or self.model.max_position_embeddings
+        if max_model_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's maximum of "
+                f"{self.model.max_position_embeddings} positions"
+            )
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens})"
+                f" must be at least max_model_len ({max_model_len})"
+            )
+        cuda = device.type == "cuda"
+        use_graphs = cuda and not args.enforce_eager and self.model.supports_cuda_graphs
+        buckets = graph_buckets(args.max_num_seqs) if use_graphs else ()
+        # Piecewise graphs for mixed steps: one process only for now (the workers could
+        # capture them too, but that has not run on GPUs; data-parallel steps run eagerly).
+        mixed_graphs = (use_graphs and args.mixed_step_graphs and self.ranks is None
+                        and self.model.supports_piecewise_graphs)  # fmt: skip
+        runtime = RuntimeConfig(
+            block_size=args.block_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            graph_buckets=buckets,
+        )
+        if self.ranks is not None:
+            self.ranks.init_runtime(runtime)
+        self.model.init_runtime(runtime)
+        specs = self.model.kv_arenas(args.block_size)
+        states = self.model.state_arenas()
+        prefix_caching = args.enable_prefix_caching and line.supports_prefix_caching
+        if args.enable_prefix_caching and not prefix_caching:
+            logger.info("prefix caching is off: the %r line does not support it yet", line.name)
+        # Recurrent state: a slot per running sequence, then the checkpoints prefix hits need,
+        # then (with graphs) the dummy slot that padding rows of graph replays use.
+        checkpoints = args.state_checkpoints if states and prefix_caching else 0
+        if states and prefix_caching and not checkpoints:
+            logger.info("prefix caching is off: no state checkpoints (--state-checkpoints 0)")
+            prefix_caching = False
+        num_slots = args.max_num_seqs + checkpoints + int(bool(buckets)) if states else 0
+        state_bytes = num_slots * sum(spec.bytes_per_slot for spec in states)
+        num_blocks = args.num_kv_blocks or self._default_num_blocks(
+            args, specs, device, max_model_len, num_slots, mixed_graphs
+        )
+        if num_blocks * args.block_size < max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than "
+                f"one sequence of max_model_len {max_model_len} needs; lower max_model_len or "
+                "give the cache more memory"
+            )
+        # On CUDA (and with data-parallel attention) one more block than the block manager
+        # hands out: padding rows of graph replays (and idle ranks' dummy tokens) read and
+        # write it.
+        self.data_parallel_size = args.data_parallel_size
+        dummy = int(cuda or self.data_parallel_size > 1)
+        shape = CacheShape(args.block_size, num_blocks + dummy, num_slots)
+        if self.ranks is not None:
+            self.ranks.share(shape)
+        self.kv_cache = self.runner.allocate(shape)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)%s",
+            num_blocks,
+            args.block_size,
+            self.kv_cache.nbytes / _GIB,
+            f", of which {state_bytes / _GIB:.2f} GiB recurrent state: {args.max_num_seqs} "
+            f"sequences and {checkpoints} checkpoints for prefix hits"
+            if states
+            else "",
+        )
+        if buckets:
+            tokens = token_buckets(args.max_num_batched_tokens) if mixed_graphs else ()
+            graph_spec = GraphSpec(buckets, num_blocks, num_slots - 1 if states else None, tokens)
+            if self.ranks is not None:
+                self.ranks.capture_graphs(graph_spec)
+            self.runner.capture(graph_spec)
+        self.config = EngineConfig(
+            model_dir=model_dir,
+            tokenizer_dir=tokenizer_dir,
+            model_config=context.config,
+            line=line.name,
+            device=device,
+            dtype=context.dtype,
+            max_model_len=max_model_len,
+            block_size=args.block_size,
+            num_kv_blocks=num_blocks,
+            vocab_size=self.model.vocab_size,
+            reasoning_parser=line.reasoning_parser,
+            tool_call_parser=line.tool_call_parser,
+        )
+        self.offload: HostMemoryTier | None = None
+        self._landing: dict[int, Request] = {}  # device block -> the request restoring it
+        if args.kv_offload:
+            self.offload = self._host_tier(args, specs, states, checkpoints, device)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            num_state_checkpoints=checkpoints,
+        )
+        # One per attention rank (data-parallel attention: each rank has its own cache).
+        hash_blocks = prefix_caching or args.kv_offload
+        schedulers = [
+            line.scheduler_class()(
+                scheduler_config,
+                BlockManager(num_blocks, args.block_size, prefix_caching, hash_blocks=hash_blocks),
+                self.offload,
+            )
+            for _ in range(self.data_parallel_size)
+        ]
+        #: The block manager (rank 0's with data-parallel attention; `scheduler.ranks` holds
+        #: every rank's scheduler and its block manager).
+        self.block_manager = schedulers[0].blocks
+        self.scheduler: Scheduler | DataParallelScheduler = schedulers[0]
+        if self.data_parallel_size > 1:
+            self.scheduler = DataParallelScheduler(schedulers)
+        self.generator = torch.Generator(device).manual_seed(args.seed)
+        self.requests: dict[str, Request] = {}
+        self.async_scheduling = args.async_scheduling
+        self._in_flight: _Launched | None = None
+        self.grammars = Grammars(tokenizer_dir, self.config.vocab_size)
+
+    @staticmethod
+    def _host_tier(
+        args: EngineArgs,
+        specs: list[ArenaSpec],
+        states: list[StateSpec],
+        checkpoints: int,
+        device: torch.device,
+    ) -> HostMemoryTier:
+        """The host tier: `--kv-offload-gib` of pinned memory. With recurrent state a quarter
+        of it (at most 4x the device's checkpoints) holds state checkpoints, the rest blocks."""
+        budget = int(args.kv_offload_gib * _GIB)
+        host_checkpoints = 0
+        if states:
+            if not checkpoints:
+                raise ConfigError(
+                    "--kv-offload with a recurrent model needs prefix caching with state "
+                    "checkpoints (--state-checkpoints > 0)"
+                )
+            per_checkpoint = sum(spec.bytes_per_slot for spec in states)
+            host_checkpoints = min(4 * checkpoints, budget // 4 // per_checkpoint)
+            budget -= host_checkpoints * per_checkpoint
+        tier = HostMemoryTier(
+            specs, budget // bytes_per_block(specs), device, states, host_checkpoints
+        )
+        logger.info(
+            "KV offload: a host tier of %d blocks%s (%.2f GiB)",
+            tier.capacity,
+            f" and {host_checkpoints} state checkpoints" if states else "",
+            tier.nbytes / _GIB,
+        )
+        return tier
+
+    @staticmethod
+    def _check_parallel(args: EngineArgs, device: torch.device, world: int) -> None:
+        sizes = "--tensor-parallel-size x --data-parallel-size"
+        if device.type == "cuda":
+            if device.index not in (None, 0):
+                raise ConfigError(
+                    f"parallel ranks run on the first {sizes} visible GPUs: pick them with "
+                    "CUDA_VISIBLE_DEVICES rather than --device"
+                )
+            if torch.cuda.device_count() < world:
+                raise ConfigError(
+                    f"{sizes} = {world} needs {world} GPUs; visible: {torch.cuda.device_count()}"
+                )
+        elif device.type != "cpu":
+            raise ConfigError(f"parallel ranks run on CUDA or the CPU, not {device.type}")
+        if args.kv_offload:
+            raise ConfigError("--kv-offload does not work with parallel ranks yet")
+
+    def shutdown(self) -> None:
+        """Stop the parallel workers, if any (the engine is unusable afterwards)."""
+        if self.ranks is None:
+            return
+        # Graphs hold captured collectives: they go before the communicator does.
+        if self.runner is not None:
+            self.runner.release_graphs()
+        gc.collect()
+        self.ranks.shutdown()
+
+    def _default_num_blocks(
+        self,
+        args: EngineArgs,
+        specs: list[ArenaSpec],
+        device: torch.device,
+        max_model_len: int,
+        num_slots: int,
+        mixed_graphs: bool,
+    ) -> int:
+        if device.type == "cpu":
+            # Never more than every sequence slot at full length could use.
+            useful = args.max_num_seqs * -(-max_model_len // args.block_size)
+            return min(useful, blocks_for_memory(specs, int(args.cpu_kv_cache_gib * _GIB)))
+        sizing = KVSizing(args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
+                          max_model_len, args.gpu_memory_utilization, num_slots,
+                          mixed_graphs)  # fmt: skip
+
+        def fit() -> int:
+            return fit_kv_blocks(self.model, sizing, device)
+
+        return fit() if self.ranks is None else self.ranks.size_kv(sizing, fit)
+
+    def check_request(self, msg: EngineRequest) -> int:
+        """Validate a request against the model; return its resolved max_tokens."""
+        prompt = msg.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt must contain at least one token", "prompt")
+        vocab = self.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        msg.params.validate(vocab)
+        if msg.params.structured is not None:  # compiles against the tokenizer, or says why not
+            self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
+        limit = self.config.max_model_len
+        if len(prompt) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens, but this model's context is {limit} tokens "
+                "and at least one must be left to generate",
+                "prompt",
+            )
+        max_tokens = msg.params.max_tokens or limit - len(prompt)
+        if len(prompt) + max_tokens > limit:
+            raise InvalidRequestError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {limit} tokens",
+                "max_tokens",
+            )
+        return max_tokens
+
+    def add_request(self, msg: EngineRequest) -> None:
+        if msg.request_id in self.requests:
+            raise InvalidRequestError(f"request id {msg.request_id!r} is already in use")
+        max_tokens = self.check_request(msg)
+        generator = None
+        if msg.params.seed is not None:
+            generator = torch.Generator(self.config.device).manual_seed(msg.params.seed)
+        request = Request(msg, max_tokens, generator)
+        if msg.params.structured is not None:
+            request.grammar = self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
+        self.requests[msg.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Stop requests now; their blocks return to the pool."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None and self.scheduler.abort(request_id) is not None:
+                outputs.append(self._output(request, []))
+        return outputs
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch and report what each touched request produced.
+
+        With async scheduling the step launched here is reported by the next call: this call
+        schedules and launches step N+1, then waits for step N's tokens while the GPU runs
+        N+1, so the host's work for a step overlaps the GPU's work for the one before.
+        """
+        early: list[RequestOutput] = []
+        if self._in_flight is not None and any(
+            r.needs_known_tokens for r in self.scheduler.running
+        ):
+            # Penalties and grammars follow every sampled token: bring pending ones home first.
+            early, self._in_flight = self._commit(self._in_flight), None
+        step = self.scheduler.schedule()
+        for request, blocks, states in step.restores:
+            request.restore = self.offload.load(blocks, self.kv_cache, states)
+            self._landing.update(dict.fromkeys((block for _, block in blocks), request))
+        if self.offload is not None:
+            self._await_restores(step)
+        launched = self._launch(step) if step.chunks else None
+        if not self.async_scheduling:
+            return self._commit(launched) if launched is not None else []
+        outputs = early + (self._commit(self._in_flight) if self._in_flight is not None else [])
+        self._in_flight = launched
+        return outputs
+
+    def _await_restores(self, step: SchedulerStep) -> None:
+        """Order each chunk after the host-tier copies it reads, on the device: its own
+        request's, when it computes in the step that restores it (nothing else ran), and
+        another request's, when its prompt hit blocks still landing (restored blocks join the
+        prefix cache at admission). A restore waited for is settled: later work comes after it."""
+        for chunk in step.chunks:
+            readers = [chunk.request]
+            if self._landing:
+                readers += [self._landing[b] for b in chunk.request.block_ids if b in self._landing]
+            for owner in readers:
+                if owner.restore is not None:
+                    self.offload.wait(owner.restore)
+                    owner.restore = None
+        if self._landing:  # entries go once their restore has settled
+            self._landing = {b: r for b, r in self._landing.items() if r.restore is not None}
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._in_flight is not None
+
+    def _launch(self, step: SchedulerStep) -> _Launched:
+        """Queue the step's forward and sampling on the device; nothing waits for the GPU."""
+        fed = self._in_flight is not None and any(c.request.num_pending for c in step.chunks)
+        feeds = _feeds(step) if fed else None
+        plan, rows = self._plans(step, feeds)
+        fed_ids = None
+        if feeds is not None:
+            fed_ids = self._in_flight.fed_ids(step)
+            if self.ranks is not None:  # the other ranks' batches lack them
+                self.ranks.share_inputs(fed_ids)
+        batch = self.runner.batch(plan, feeds and feeds[0], fed_ids)
+        if rows is None:
+            rows = batch
+        if self.offload is not None:
+            self.offload.before_step(
+                self.block_manager.take_handed_out(), self.scheduler.take_reused_checkpoint_slots()
+            )
+        logits = self.runner.forward(batch)
+        prompt_logprobs = self._score_prompts(step, rows, logits)
+        if rows.sample_rows is not None:
+            sample_rows = rows.sample_rows
+            if sample_rows.device != logits.device:  # data-parallel attention: from the plans
+                sample_rows = to_device(sample_rows.tolist(), logits.device)
+            logits = logits[sample_rows]
+        samplers = [c.request for c in step.chunks if c.samples]
+        tokens = sample_requests(logits, samplers, self.config.vocab_size, self.generator)
+        logprobs = ScoredTokens.sampled(logits, tokens, samplers)
+        self.scheduler.advance(step)
+        if self.offload is not None:  # checkpoints this step writes, copied out after it
+            self.offload.store_states(self.scheduler.take_pending_state_stores(), self.kv_cache)
+        rows = {id(r): row for row, r in enumerate(samplers)}
+        return _Launched(step, tokens, rows, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _score_prompts(
+        step: SchedulerStep, batch: ForwardBatch | LogitsRows, logits: torch.Tensor
+    ) -> list[tuple[Request, int, list[int], ScoredTokens]]:
+        """Each prompt-logprobs chunk's rows score the prompt tokens after them."""
+        scored = []
+        for chunk, first_row in zip(step.chunks, batch.chunk_logits_cpu, strict=True):
+            if first_row is None:
+                continue
+            request = chunk.request
+            start = request.num_computed_tokens
+            end = min(start + chunk.num_tokens, request.num_prompt_tokens - 1)
+            targets = request.token_ids[start + 1 : end + 1]
+            rows = torch.arange(first_row, first_row + len(targets), device=logits.device)
+            count = request.params.prompt_logprobs or 0
+            target_ids = to_device(targets, logits.device)
+            scores = ScoredTokens.of(logits, rows, target_ids, [count] * len(targets))
+            scored.append((request, start + 1, targets, scores))
+        return scored
+
+    def _commit(self, launched: _Launched) -> list[RequestOutput]:
+        """Bring a launched step's tokens to the host (the step's one device-to-host copy) and
+        report them."""
+        token_ids = launched.token_ids()
+        logprobs = {}
+        if launched.logprobs is not None:
+            rows, scores = launched.logprobs
+            logprobs = dict(zip(rows, scores.to_host([token_ids[r] for r in rows]), strict=True))
+        for request, position, targets, scores in launched.prompt_logprobs:
+            if request.prompt_logprobs is not None:  # not yet sent
+                for i, entry in enumerate(scores.to_host(targets)):
+                    request.prompt_logprobs[position + i] = entry
+        outputs = []
+        for request in self.scheduler.commit(launched.step, token_ids):
+            row = launched.rows[id(request)]
+            output = self._output(request, [token_ids[row]])
+            if row in logprobs:
+                output.logprobs = [logprobs[row]]
+            if request.prompt_logprobs is not None:  # its first token: the prompt is scored
+                output.prompt_logprobs = [request.prompt_logprobs[p]
+                                          for p in sorted(request.prompt_logprobs)]  # fmt: skip
+                request.prompt_logprobs = None
+            outputs.append(output)
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+        if self.offload is not None:
+            # After this step's forward on the GPU; before the next step reuses the blocks.
+            self.offload.store(self.scheduler.take_pending_stores(), self.kv_cache)
+        return outputs
+
+    def _plans(
+        self, step: SchedulerStep, feeds: list[Feed] | None = None
+    ) -> tuple[StepPlan, LogitsRows | None]:
+        """Rank 0's plan for the step, and what the rows of the logits its forward returns are
+        when they are not its own batch's (data-parallel attention: every rank's rows in rank
+        order). With parallel ranks the plans go to the others first (`feeds`: each rank's
+        rows whose ids the step in flight samples, which follow by broadcast)."""
+        if self.data_parallel_size == 1:
+            plan = self._plan(step.chunks)
+            if self.ranks is not None:
+                self.ranks.run(plan, feeds and feeds[0])
+            return plan, None
+        parts = [self._plan(part.chunks) for part in step.parts]
+        plans = rank_plans(parts, self.kv_cache.num_blocks - 1, self.runner.graphs)
+        self.ranks.run_each(plans[1:], feeds and feeds[1:])
+        return plans[0], LogitsRows.of(parts)
+
+    @staticmethod
+    def _plan(step_chunks: list[ScheduledChunk]) -> StepPlan:
+        chunks, starts = [], []
+        for chunk in step_chunks:
+            start = chunk.request.num_computed_tokens
+            chunks.append(chunk.request.token_ids[start : start + chunk.num_tokens])
+            starts.append(start)
+        return StepPlan(
+            token_chunks=chunks,
+            start_positions=starts,
+            block_tables=[c.request.block_ids for c in step_chunks],
+            sample_mask=[c.samples for c in step_chunks],
+            every_row=[
+                c.request.prompt_logprobs is not None
+                and c.request.num_computed_tokens < c.request.num_prompt_tokens - 1
+                for c in step_chunks
+            ],
+            state_slots=[c.request.slot for c in step_chunks],
+            state_restore=[c.restore_from for c in step_chunks],
+            state_snapshot=[c.snapshot and c.snapshot[:2] for c in step_chunks],
+        )
+
+    def stats(self) -> EngineStats:
+        counters = self.scheduler.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.scheduler.kv_usage,
+            prefix_cache_queries=counters.prefix_queries,
+            prefix_cache_hits=counters.prefix_hits,
+            prefix_cache_hits_host=counters.prefix_hits_host,
+            num_preemptions=counters.preemptions,
+        )
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
+        queue_time = None
+        if request.finished and request.first_scheduled_time is not None:
+            queue_time = max(request.first_scheduled_time - request.arrival_time, 0.0)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            finish_reason=request.finish_reason,
+            stop_token_id=request.stop_token_id,
+            queue_time=queue_time,
+        )

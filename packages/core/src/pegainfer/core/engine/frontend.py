@@ -1,0 +1,147 @@
+"""The request side of the engine boundary, shared by the offline API and the HTTP server.
+
+`Frontend` turns prompts and chats into validated `EngineRequest`s; `RequestStream` turns the
+engine's token-id outputs for one request back into text, applying stop strings (which the
+engine cannot see). Neither runs on the engine loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pegainfer.core.engine.messages import EngineRequest, RequestOutput, TokenLogprob
+from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.loading.generation_config import GenerationDefaults
+from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.text.detokenizer import IncrementalDetokenizer
+from pegainfer.core.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamDelta:
+    """What one engine output added to a request, in text and tokens."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # Set when a stop string ended the request but the engine does not know yet.
+    abort_engine: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, if asked
+
+
+@dataclass
+class RequestStream:
+    """Frontend state of one request: incremental text, stop strings, final accounting."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    prompt: str | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # of the prompt's tokens after its first
+
+    def __post_init__(self) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            self.prompt_token_ids,
+            skip_special_tokens=self.params.skip_special_tokens,
+            stop=self.params.stop,
+            min_tokens=self.params.min_tokens,
+            include_stop=self.params.include_stop_str_in_output,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process(self, output: RequestOutput) -> StreamDelta:
+        """Fold one engine output in; after the request finished, outputs are ignored."""
+        if self.finished:
+            return StreamDelta("", [], finished=True)
+        self.num_cached_tokens = output.num_cached_tokens
+        self.token_ids.extend(output.new_token_ids)
+        text_ids = output.new_token_ids
+        if output.stop_token_id is not None:  # as vLLM: the stop token counts, its text does not
+            text_ids = text_ids[:-1]
+        decoded = self._detokenizer.push(text_ids)
+        text = decoded.text
+        delta = StreamDelta(text, list(output.new_token_ids), logprobs=output.logprobs or [],
+                            prompt_logprobs=output.prompt_logprobs)  # fmt: skip
+        self.logprobs.extend(delta.logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        if decoded.finished:
+            self.finish_reason, self.stop_reason = "stop", self._detokenizer.stop_reason
+            delta.abort_engine = not output.finished
+        elif output.finished:
+            delta.text += self._detokenizer.flush()
+            if self._detokenizer.stop_reason is not None:  # the flushed tail ended in a stop
+                self.finish_reason, self.stop_reason = "stop", self._detokenizer.stop_reason
+            else:
+                self.finish_reason, self.stop_reason = output.finish_reason, output.stop_token_id
+        self.text += delta.text
+        delta.finished = self.finished
+        delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
+        return delta
+
+
+class Frontend:
+    """Tokenizer, chat template and generation defaults of one served model."""
+
+    def __init__(self, model_dir: Path, tokenizer_dir: Path | None = None) -> None:
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir or model_dir)
+        self.defaults = GenerationDefaults.from_dir(model_dir, self.tokenizer.eos_token_id)
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        return self.defaults.sampling_params(**overrides)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Render a conversation with the model's chat template and tokenize it."""
+        extra = dict(chat_template_kwargs or {})
+        clashes = sorted(extra.keys() & {"messages", "tools", "add_generation_prompt"})
+        if clashes:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(clashes)}: they are request fields",
+                "chat_template_kwargs",
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
+        )
+        # The template writes any special tokens itself.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> EngineRequest:
+        return EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            eos_token_ids=list(self.defaults.eos_token_ids),
+            arrival_time=time.time(),
+        )

@@ -1,0 +1,101 @@
+"""The message protocol between the frontend (HTTP, offline API) and the engine loop.
+
+Only these msgspec structs cross the boundary, so the loop can run in a thread of the same
+process or in a process of its own without either side changing.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pegainfer.core.sampling.sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, kw_only=True, tag=True):
+    """A tokenized request, validated by the frontend."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop the engine loop after the current step."""
+
+
+Inbound = EngineRequest | AbortRequest | Shutdown
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """A sampled token's logprob and rank (1: the most likely) in the model's distribution,
+    and the most likely tokens' (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one step produced for one request.
+
+    `finish_reason` is "stop" (EOS or a stop token; `stop_token_id` says which),
+    "length" (max_tokens or the context filled up), "abort" or "error" (`error` says why).
+    `num_cached_tokens` is the prefix-cache hit of the request's first admission.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    num_cached_tokens: int
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+    # On the final output: seconds from arrival to first scheduling.
+    queue_time: float | None = None
+    # One per new token, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+    # With the first token, when asked: prompt tokens 1.. scored by the prompt before them.
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def failure(cls, request_id: str, error: str) -> RequestOutput:
+        """The last output of a request that could not be served."""
+        return cls(
+            request_id=request_id,
+            new_token_ids=[],
+            num_cached_tokens=0,
+            finish_reason="error",
+            error=error,
+        )
+
+
+class EngineStats(msgspec.Struct):
+    """The engine's state after a step, for metrics. Counters are cumulative."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prefix_cache_hits_host: int = 0  # of prefix_cache_hits, restored from the host tier
+
+
+class EngineOutputs(msgspec.Struct):
+    """Everything one engine step (or one batch of inbound messages) produced."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+    # Set on the last message of a loop that failed: every request in flight has ended.
+    engine_failed: str | None = None

@@ -1,0 +1,102 @@
+"""Prometheus metrics under the `vllm:*` names that dashboards and autoscalers already use.
+
+The engine loop only reports state (`EngineStats`) and per-request outputs; every interval
+(TTFT, inter-token latency, end-to-end) is measured here, on the frontend side, with one clock.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pegainfer.core.engine.messages import EngineStats
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+class Metrics:
+    """One model's serving metrics in their own registry."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self._running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self._waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self._kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self._prompt_tokens = counter("vllm:prompt_tokens_total", "Prompt tokens processed.")
+        self._generation_tokens = counter("vllm:generation_tokens_total", "Tokens generated.")
+        self._success = counter(
+            "vllm:request_success_total", "Finished requests.", ("finished_reason",)
+        )
+        self._preemptions = counter("vllm:num_preemptions_total", "Preemptions (recompute).")
+        self._prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self._prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (either tier)."
+        )
+        self._host_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "Prompt tokens of prefix-cache hits restored from the host tier (--kv-offload).",
+        )
+        self._ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to the first token.", _LATENCY_BUCKETS
+        )
+        self._itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
+        )
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS
+        )
+        self._queue = histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
+        )
+        self._model = model_name
+        self._last = EngineStats(0, 0, 0.0, 0, 0, 0)
+
+    def record_engine_stats(self, stats: EngineStats) -> None:
+        m = self._model
+        self._running.labels(m).set(stats.num_running)
+        self._waiting.labels(m).set(stats.num_waiting)
+        self._kv_usage.labels(m).set(stats.kv_cache_usage)
+        last = self._last
+        self._prefix_queries.labels(m).inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        self._prefix_hits.labels(m).inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        self._host_hits.labels(m).inc(stats.prefix_cache_hits_host - last.prefix_cache_hits_host)
+        self._preemptions.labels(m).inc(stats.num_preemptions - last.num_preemptions)
+        self._last = stats
+
+    def record_tokens(self, num_tokens: int, *, first: bool, latency: float) -> None:
+        """New output tokens; `latency` is since arrival (first) or the previous tokens."""
+        self._generation_tokens.labels(self._model).inc(num_tokens)
+        (self._ttft if first else self._itl).labels(self._model).observe(latency)
+
+    def record_finished(
+        self, finish_reason: str, prompt_tokens: int, e2e: float, queue_time: float | None
+    ) -> None:
+        m = self._model
+        self._prompt_tokens.labels(m).inc(prompt_tokens)
+        self._success.labels(m, finish_reason).inc()
+        self._e2e.labels(m).observe(e2e)
+        if queue_time is not None:
+            self._queue.labels(m).observe(queue_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

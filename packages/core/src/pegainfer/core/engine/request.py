@@ -1,0 +1,115 @@
+"""The engine's state for one request: tokens, progress, blocks, and token-level stops."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.sampling.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """Token ids so far (prompt then output), how many have KV, and the blocks holding it."""
+
+    def __init__(
+        self, msg: EngineRequest, max_tokens: int, generator: torch.Generator | None
+    ) -> None:
+        self.request_id = msg.request_id
+        self.params: SamplingParams = msg.params
+        self.cache_salt = msg.cache_salt
+        self.arrival_time = msg.arrival_time
+        self.num_prompt_tokens = len(msg.prompt_token_ids)
+        self.token_ids: list[int] = list(msg.prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.generator = generator
+        eos = () if msg.params.ignore_eos else msg.eos_token_ids
+        self.stop_token_ids = frozenset(eos) | frozenset(msg.params.stop_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.slot: int | None = None  # its state slot while running (recurrent layers)
+        # Recurrent layers, after a prefix hit: the checkpoint slot its first chunk starts
+        # from, and (key, slot) of a checkpoint brought back from the host tier for it.
+        self.state_source: int | None = None
+        self.loaded_checkpoint: tuple[bytes, int] | None = None
+        self.num_pending = 0  # sampled tokens not yet on the host (trailing PENDING ids)
+        self.restore: Any = None  # its blocks' copy from the host tier, while in flight
+        self.block_hashes: list[bytes] = []
+        self.num_sealed_blocks = 0
+        self.num_cached_tokens = -1  # set at first admission
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.grammar: Any = None  # its llguidance matcher, with structured output
+        # Prompt logprobs by position (1..), until they go out with the first token.
+        self.prompt_logprobs: dict[int, Any] | None = (
+            {} if msg.params.prompt_logprobs is not None else None
+        )
+
+    #: Stands in token_ids for a token sampled by a step still on the GPU (async scheduling).
+    PENDING = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (all but those still being sampled)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def needs_known_tokens(self) -> bool:
+        """Whether sampling its next token needs every earlier one on the host (penalties
+        count them, a grammar's mask follows them)."""
+        return self.params.has_penalties or self.grammar is not None
+
+    def banned_token_ids(self) -> frozenset[int]:
+        """Tokens the sampler must not pick yet: stops are held off until `min_tokens`."""
+        if self.num_output_tokens < self.params.min_tokens:
+            return self.stop_token_ids
+        return frozenset()
+
+    def reserve_token(self) -> None:
+        """A step that samples this request's next token was launched; its id comes later."""
+        self.token_ids.append(self.PENDING)
+        self.num_pending += 1
+
+    def commit_token(self, token_id: int, max_model_len: int) -> None:
+        """The oldest pending token's id arrived: record it and decide whether it ends the
+        request (counting only tokens up to it, not those sampled after it). Its grammar, if
+        any, has consumed the token already (the scheduler advances a batch's together)."""
+        index = len(self.token_ids) - self.num_pending
+        self.token_ids[index] = token_id
+        self.num_pending -= 1
+        outputs = index + 1 - self.num_prompt_tokens
+        if token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
+            self.finish_reason, self.stop_token_id = "stop", token_id
+        elif self.grammar is not None and self.grammar.is_stopped():
+            self.finish_reason = "stop"  # the grammar allows nothing more
+        elif outputs >= self.max_tokens or index + 1 >= max_model_len:
+            self.finish_reason = "length"
+
+    def at_limit(self, max_model_len: int) -> bool:
+        """Whether the tokens sampled so far (pending ones too) already end the request by
+        length, so no further step should be scheduled for it."""
+        return self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len

@@ -1,0 +1,1 @@
+"""Checkpoints: finding the files, loading the weights, generation defaults."""

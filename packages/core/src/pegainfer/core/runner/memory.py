@@ -1,0 +1,156 @@
+"""Sizing the KV cache on a GPU from what a step actually uses.
+
+After the weights are loaded, one worst-case step (a full-budget prefill, and sampling at the
+full batch width) runs on a scratch cache; its peak, the recurrent state, the transient memory
+the model declares (`Model.transient_bytes`), the weights and a reserve for CUDA graphs come
+off the memory `gpu_memory_utilization` allows, and the rest becomes KV blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.core.errors import ConfigError
+from pegainfer.core.kv.kv_cache import (
+    ArenaSpec,
+    KVCache,
+    StateSpec,
+    blocks_for_memory,
+    bytes_per_block,
+)
+from pegainfer.core.model_line import Model
+from pegainfer.core.runner.forward_batch import ForwardBatch
+from pegainfer.core.sampling.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+GIB = 1 << 30
+# CUDA graphs' private pool (decode activations are small) and allocator slack.
+_GRAPH_RESERVE = 1 * GIB
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    total: int
+    weights: int
+    activations: int
+    reserve: int
+    kv_cache: int
+    num_blocks: int
+
+    def describe(self) -> str:
+        return (
+            f"GPU memory: {self.total / GIB:.1f} GiB total; weights {self.weights / GIB:.2f} GiB, "
+            f"step peak, state and transients {self.activations / GIB:.2f} GiB, graphs and slack "
+            f"{self.reserve / GIB:.2f} GiB, KV cache {self.kv_cache / GIB:.2f} GiB "
+            f"({self.num_blocks} blocks)"
+        )
+
+
+def profile_step_peak(
+    model: Model,
+    specs: list[ArenaSpec],
+    states: list[StateSpec],
+    block_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    max_model_len: int,
+    device: torch.device,
+) -> int:
+    """Bytes the largest step allocates beyond what is resident (weights, buffers).
+
+    The step fills the token budget (which sets the activations) with as many sequences as a
+    step may hold, each no longer than `max_model_len`, every one sampling (which sets the
+    logits and the sampler's buffers; with data-parallel attention the step's logits are every
+    rank's rows, which rank 0 samples).
+    """
+    seqs = max(min(num_seqs, num_tokens), -(-num_tokens // max_model_len))
+    base, extra = divmod(num_tokens, seqs)
+    lengths = [base + 1] * extra + [base] * (seqs - extra)
+    tables, pages = [], 0
+    for length in lengths:
+        count = -(-length // block_size)
+        tables.append(list(range(pages, pages + count)))
+        pages += count
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device)
+    scratch = KVCache(specs, pages, device, states, seqs)
+    batch = ForwardBatch.build(
+        [[0] * n for n in lengths], [0] * seqs, tables, [True] * seqs, block_size, device,
+        state_slots=list(range(seqs)),
+    )  # fmt: skip
+    with torch.inference_mode():
+        model.prepare(batch)
+        logits = model(batch, scratch)
+        # With data-parallel attention rank 0 samples every rank's rows, the others none.
+        rows = logits.shape[0]
+        probe = SamplingBatch(
+            temperature=torch.ones(rows),
+            top_k=torch.full((rows,), 20),
+            top_p=torch.full((rows,), 0.9),
+            min_p=torch.full((rows,), 0.05),
+            generators=[torch.Generator(device)] * rows,
+            banned=[frozenset()] * rows,
+        ).to(device)
+        if rows:
+            sample(logits, probe)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - resident - scratch.nbytes
+    del scratch, batch, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """What the KV cache's size on a GPU depends on besides the model (under tensor
+    parallelism rank 0 sends it, and every rank sizes its own shard the same way)."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    #: Recurrent-state slots the cache holds beside the blocks.
+    num_slots: int
+    #: Whether piecewise graphs for mixed steps are captured after the cache is allocated:
+    #: their private pool holds a step's activations again, bounded by the step's peak.
+    mixed_step_graphs: bool = False
+
+
+def fit_kv_blocks(model: Model, sizing: KVSizing, device: torch.device) -> int:
+    """The KV blocks that fit beside the model, its recurrent state, its largest step and the
+    transient memory it declares."""
+    specs, states = model.kv_arenas(sizing.block_size), model.state_arenas()
+    state_bytes = sizing.num_slots * sum(spec.bytes_per_slot for spec in states)
+    peak = profile_step_peak(
+        model, specs, states, sizing.block_size, sizing.max_num_batched_tokens,
+        sizing.max_num_seqs, sizing.max_model_len, device,
+    )  # fmt: skip
+    held = peak * (1 + sizing.mixed_step_graphs) + state_bytes + model.transient_bytes
+    return plan_gpu_kv(specs, sizing.gpu_memory_utilization, held, device).num_blocks
+
+
+def plan_gpu_kv(
+    specs: list[ArenaSpec], utilization: float, step_peak: int, device: torch.device
+) -> MemoryPlan:
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free  # weights, CUDA context, other processes
+    weights = torch.cuda.memory_allocated(device)
+    kv_bytes = int(total * utilization) - used - step_peak - _GRAPH_RESERVE
+    num_blocks = blocks_for_memory(specs, max(kv_bytes, 0))
+    if num_blocks < 1:
+        raise ConfigError(
+            f"no GPU memory is left for the KV cache at gpu_memory_utilization {utilization}: "
+            f"{used / GIB:.1f} GiB in use, a step needs {step_peak / GIB:.1f} GiB more, of "
+            f"{total / GIB:.1f} GiB"
+        )
+    plan = MemoryPlan(
+        total, weights, step_peak, _GRAPH_RESERVE, num_blocks * bytes_per_block(specs), num_blocks
+    )
+    logger.info(plan.describe())
+    return plan

@@ -1,0 +1,98 @@
+"""The device side of one rank: its share of the model, its KV cache and CUDA graphs, and the
+forward of each planned step.
+
+The engine drives rank 0's runner; every parallel worker drives its own from rank 0's messages
+(`tensor_parallel.py`), so a step is built and run the same way on every rank: the plan becomes
+a `ForwardBatch` (inputs copied to the device without waiting for it), async scheduling's fed
+ids are written into their rows, and the forward replays a decode graph, replays the piecewise
+graphs of a mixed step, or launches eagerly, a choice that depends on the plan alone (the
+ranks' collectives must meet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.core.engine.step_plan import StepPlan
+from pegainfer.core.kv.kv_cache import KVCache
+from pegainfer.core.model_line import Model
+from pegainfer.core.runner.cuda_graphs import DecodeGraphs
+from pegainfer.core.runner.forward_batch import Feed, ForwardBatch
+from pegainfer.core.runner.piecewise_graphs import MixedGraphs
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The cache every rank allocates (rank 0 decides: block ids and state slots mean the same
+    thing on every rank)."""
+
+    block_size: int
+    num_blocks: int
+    num_slots: int
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """The CUDA graphs every rank captures, in the same order: decode graphs per batch bucket,
+    then (with `token_buckets`) piecewise graphs of mixed steps per token bucket."""
+
+    buckets: tuple[int, ...]
+    dummy_block: int
+    dummy_slot: int | None
+    token_buckets: tuple[int, ...] = ()
+
+
+class ModelRunner:
+    def __init__(self, model: Model, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = 0
+        self.kv_cache: KVCache | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
+
+    def allocate(self, shape: CacheShape) -> KVCache:
+        model = self.model
+        self.block_size = shape.block_size
+        self.kv_cache = KVCache(model.kv_arenas(shape.block_size), shape.num_blocks, self.device,
+                                model.state_arenas(), shape.num_slots)  # fmt: skip
+        return self.kv_cache
+
+    def capture(self, spec: GraphSpec) -> None:
+        """Capture the decode graphs, then the mixed steps' pieces (after `allocate`)."""
+        assert self.kv_cache is not None, "allocate() must run before capture()"
+        model, cache, block, size = self.model, self.kv_cache, spec.dummy_block, self.block_size
+        self.graphs = DecodeGraphs(
+            model, cache, spec.buckets, block, size, self.device, spec.dummy_slot
+        )
+        self.graphs.capture()
+        if spec.token_buckets:
+            self.mixed_graphs = MixedGraphs(
+                model, cache, spec.token_buckets, block, size, self.device
+            )
+            self.mixed_graphs.capture()
+
+    def release_graphs(self) -> None:
+        """Drop the graphs (they hold captured collectives: they go before the communicator)."""
+        self.graphs = self.mixed_graphs = None
+
+    def batch(
+        self, plan: StepPlan, feed: Feed | None = None, fed_ids: torch.Tensor | None = None
+    ) -> ForwardBatch:
+        """The step's batch on the device; with async scheduling, `feed`'s rows take their
+        ids from `fed_ids` (sampled by the step still in flight)."""
+        batch = plan.batch(self.block_size, self.device)
+        if feed is not None:
+            feed.apply(batch, fed_ids)
+        return batch
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The logits of `batch.logits_indices`' rows (none on ranks that compute no logits)."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
+            return self.mixed_graphs.run(batch)
+        self.model.prepare(batch)
+        return self.model(batch, self.kv_cache)

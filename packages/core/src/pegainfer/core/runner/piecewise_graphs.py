@@ -1,0 +1,178 @@
+"""CUDA graphs for steps that carry prefill tokens: the forward captured in pieces between its
+attention calls, one set of pieces per token-count bucket.
+
+A mixed step (decodes beside a prefill chunk, a short prompt, a prefix hit's last tokens) run
+eagerly launches about a thousand kernels from Python. Everything in a layer but attention
+depends only on the number of tokens, so it can be captured for a padded token count; the
+attention of a mixed batch cannot (its plan depends on every sequence's length). So the model's
+hidden-state pass is captured as segments split at each attention call: at replay, segment 0
+runs (embedding, the first layer up to its attention), then the attention runs eagerly over the
+real rows with the step's own plan, then segment 1 (that layer's output projection and MLP, the
+next layer up to its attention), and so on; the final norm and LM head run eagerly on the rows
+that want logits. This is vLLM's piecewise CUDA graph, without a graph compiler: a model opts in
+(`Model.supports_piecewise_graphs`) by splitting its forward into `hidden_states` and `logits`
+and routing every attention call through its `PagedAttention`, whose `run` becomes a split
+point while the pieces are captured.
+
+Padding rows (token 0 at position 0) write their KV to the reserved dummy block; attention is
+planned and run for the real rows only, so the padding rows' attention output is whatever the
+buffer held (finite: it starts zeroed and only attention writes it), and every other op is
+row-wise, so real rows never see them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pegainfer.core.attention.paged import PagedAttention
+from pegainfer.core.kv.kv_cache import KVCache
+from pegainfer.core.model_line import Model
+from pegainfer.core.runner.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Powers of two from 16 to 256, then every multiple of 256 up to `max_tokens` (itself
+    included): padding costs at most 2x at small counts and at most 255 rows beyond."""
+    buckets = {b for b in (16, 32, 64, 128, 256) if b <= max_tokens}
+    buckets |= set(range(512, max_tokens + 1, 256)) | {max_tokens}
+    return tuple(sorted(buckets))
+
+
+@dataclass
+class _Split:
+    """One attention call cut out of the captured pieces: its static query, its layer's cache."""
+
+    q: torch.Tensor
+    kv_layer: torch.Tensor
+
+
+@dataclass
+class _Pieces:
+    """One bucket's captured segments (one more than its splits) and their static outputs."""
+
+    graphs: list[torch.cuda.CUDAGraph]
+    splits: list[_Split]
+    states: tuple[torch.Tensor, ...]
+
+
+class MixedGraphs:
+    """Piecewise graphs of a model's hidden-state pass, one set per token bucket."""
+
+    def __init__(
+        self,
+        model: Model,
+        kv_cache: KVCache,
+        buckets: tuple[int, ...],
+        dummy_block: int,
+        block_size: int,
+        device: torch.device,
+        pool: object | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = buckets
+        self.dummy_block = dummy_block
+        self.block_size = block_size
+        self.device = device
+        self.pool = pool
+        self.attention: PagedAttention = model.piecewise_attention()
+        largest = max(buckets)
+        # Static inputs: [input_ids, positions, slot_mapping] per row; padding rows keep these.
+        self._pad = torch.tensor([0, 0, dummy_block * block_size], device=device)
+        self._inputs = self._pad[:, None].repeat(1, largest).contiguous()
+        # One attention output buffer for every split of every bucket: pieces run in order.
+        self._out: torch.Tensor | None = None
+        self._pieces: dict[int, _Pieces] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Any single-process step within the largest bucket whose states (if any) do not
+        start (recurrent layers restart eagerly)."""
+        return (
+            batch.data_parallel is None
+            and batch.num_tokens <= self.max_tokens
+            and not (batch.starts_states)
+        )
+
+    def capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.buckets):
+            batch = self._static_batch(bucket)
+            # Warm-up, eagerly and whole: compiles kernels for this size, settles allocations.
+            self.model.prepare(batch)
+            self.model(batch, self.kv_cache)
+            with torch.cuda.stream(stream):
+                self._pieces[bucket] = self._capture(batch, pool)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        segments = sum(len(p.graphs) for p in self._pieces.values())
+        logger.info(
+            "captured piecewise CUDA graphs for mixed steps of %s tokens (%d segments)",
+            list(self.buckets),
+            segments,
+        )
+
+    def _capture(self, batch: ForwardBatch, pool: object) -> _Pieces:
+        graphs = [torch.cuda.CUDAGraph()]
+        splits: list[_Split] = []
+
+        def split(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+            graphs[-1].capture_end()
+            if self._out is None or self._out.shape[0] < q.shape[0]:
+                self._out = torch.zeros_like(q)
+            splits.append(_Split(q, kv_layer))
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=pool)
+            return self._out[: q.shape[0]]
+
+        self.attention.split = split
+        graphs[0].capture_begin(pool=pool)
+        try:
+            states = self.model.hidden_states(batch, self.kv_cache)
+        finally:
+            self.attention.split = None
+        graphs[-1].capture_end()
+        return _Pieces(graphs, splits, states)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The logits of `batch` (its `logits_indices` rows), replaying its bucket's pieces."""
+        n = batch.num_tokens
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self._inputs[0, :n].copy_(batch.input_ids)
+        self._inputs[1, :n].copy_(batch.positions)
+        self._inputs[2, :n].copy_(batch.slot_mapping)
+        self._inputs[:, n:bucket].copy_(self._pad[:, None].expand(-1, bucket - n))
+        self.model.prepare(batch)  # the real rows' attention plan
+        pieces = self._pieces[bucket]
+        for graph, split in zip(pieces.graphs, [*pieces.splits, None], strict=True):
+            graph.replay()
+            if split is not None:
+                self.attention.run(split.q[:n], split.kv_layer, out=self._out[:n])
+        states = tuple(state[:n] for state in pieces.states)
+        return self.model.logits(states, batch)
+
+    def _static_batch(self, bucket: int) -> ForwardBatch:
+        """The capture batch: `bucket` one-token sequences on the dummy block, over the
+        static input buffers (what the pieces read at every replay)."""
+        return ForwardBatch(
+            input_ids=self._inputs[0, :bucket],
+            positions=self._inputs[1, :bucket],
+            slot_mapping=self._inputs[2, :bucket],
+            logits_indices=torch.arange(bucket, device=self.device),
+            block_size=self.block_size,
+            query_lens_cpu=[1] * bucket,
+            seq_lens_cpu=[1] * bucket,
+            block_tables_cpu=[[self.dummy_block]] * bucket,
+            query_start_loc_cpu=torch.arange(bucket + 1, dtype=torch.int32),
+        )

@@ -1,0 +1,1 @@
+"""Sampling parameters, token selection and structured-output masks."""

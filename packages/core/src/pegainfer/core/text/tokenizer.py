@@ -1,0 +1,298 @@
+"""Text <-> token ids, and chat messages -> prompt text, for a checkpoint directory.
+
+Wraps a `tokenizers.Tokenizer` loaded from `tokenizer.json` and renders the checkpoint's Jinja chat
+template. Both must agree exactly with what transformers produces for the same directory: a prompt
+that differs by one token changes the model's output. transformers itself is not imported here;
+the tests hold this module to it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+from pegainfer.core.errors import ConfigError, InvalidRequestError
+from pegainfer.core.loading.model_files import read_json_object
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+
+# The named special tokens transformers exposes to chat templates (its `special_tokens_map`).
+_NAMED_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+# Names a message's reasoning arrives under; transformers copies it to `reasoning_content`
+# (which most templates read) and to `thinking` (which some read).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer and chat template(s).
+
+    `chat_templates` maps template names to Jinja source; the unnamed template of a checkpoint is
+    called "default", and a "tool_use" template, when present, is used for requests with tools.
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_templates: Mapping[str, str] | None = None,
+    ) -> None:
+        self._backend = backend
+        self._special_tokens = dict(special_tokens or {})
+        # As transformers does, named special tokens that the vocabulary lacks are added to it.
+        missing = [t for t in self._special_tokens.values() if backend.token_to_id(t) is None]
+        if missing:
+            backend.add_special_tokens([AddedToken(t, special=True) for t in missing])
+
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = self._named_token_id("bos_token")
+        self.eos_token_id: int | None = self._named_token_id("eos_token")
+        self.pad_token_id: int | None = self._named_token_id("pad_token")
+        added_special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        named = {backend.token_to_id(t) for t in self._special_tokens.values()}
+        self.special_token_ids: frozenset[int] = frozenset(added_special | named)
+
+        env = _template_environment()
+        self._chat_templates: dict[str, jinja2.Template] = {}
+        for name, source in (chat_templates or {}).items():
+            try:
+                self._chat_templates[name] = env.from_string(source)
+            except jinja2.TemplateSyntaxError as e:
+                raise ConfigError(f"chat template {name!r} is not valid Jinja: {e}") from e
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json`, `tokenizer_config.json` and chat templates from a checkpoint.
+
+        Chat templates are looked up as transformers does: `chat_template.jinja` and the files in
+        `additional_chat_templates/` take precedence over `chat_template` in the config, which may
+        be a string or a list of `{"name", "template"}` entries.
+        """
+        path = Path(path)
+        tokenizer_file = path / TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            raise ConfigError(
+                f"no {TOKENIZER_FILE} in {path}: pegainfer needs the fast-tokenizer file that "
+                "transformers writes with `save_pretrained`; slow-only tokenizers are not supported"
+            )
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ConfigError(f"cannot load {tokenizer_file}: {e}") from e
+
+        config = read_json_object(path / TOKENIZER_CONFIG_FILE, required=False)
+        special_tokens = {}
+        for name in _NAMED_SPECIAL_TOKENS:
+            token = _token_content(config.get(name))
+            if token is not None:
+                special_tokens[name] = token
+        return cls(
+            backend,
+            special_tokens=special_tokens,
+            chat_templates=_find_chat_templates(path, config),
+        )
+
+    def _named_token_id(self, name: str) -> int | None:
+        token = self._special_tokens.get(name)
+        return None if token is None else self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`; `add_special_tokens` applies the tokenizer's post-processor.
+
+        Like transformers 5, the post-processor in `tokenizer.json` decides whether a BOS/EOS is
+        added (Qwen adds none); `add_bos_token`/`add_eos_token` in the config are not consulted.
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text for `token_ids`; invalid UTF-8 byte sequences decode to U+FFFD."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._chat_templates)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` (OpenAI-style dicts) to prompt text, as transformers'
+        `apply_chat_template(..., tokenize=False)` does.
+
+        The result already contains the template's special tokens, so encode it with
+        `add_special_tokens=False`. Extra keyword arguments (e.g. `enable_thinking`) are passed to
+        the template, overriding the named special tokens of the same name.
+        """
+        template = self._select_template(tools)
+        if not messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        chat = [_prepare_message(m) for m in messages]
+        variables = {
+            **self._special_tokens,
+            "documents": None,
+            **template_kwargs,
+            "messages": chat,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return template.render(**variables)
+        except InvalidRequestError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            # Templates read messages without checking them; a malformed conversation (a missing
+            # role, content of the wrong type) surfaces as an error from inside the template,
+            # which is the request's fault, not the server's.
+            raise InvalidRequestError(
+                f"the chat template cannot render these messages: {e}", "messages"
+            ) from e
+
+    def _select_template(self, tools: list[dict] | None) -> jinja2.Template:
+        if not self._chat_templates:
+            raise InvalidRequestError(
+                "this model has no chat template (no chat_template in its tokenizer config and no "
+                f"{CHAT_TEMPLATE_FILE}), so it cannot serve chat requests; use the completions API "
+                "with a plain prompt instead",
+                "messages",
+            )
+        if tools is not None and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        if "default" in self._chat_templates:
+            return self._chat_templates["default"]
+        raise InvalidRequestError(
+            "this model has several chat templates and none is named 'default': "
+            f"{sorted(self._chat_templates)}",
+            "messages",
+        )
+
+
+def _token_content(value: object) -> str | None:
+    """A special-token entry is a string, or an AddedToken dict with the text under "content"."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _find_chat_templates(path: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    templates: dict[str, str] = {}
+    template_file = path / CHAT_TEMPLATE_FILE
+    if template_file.is_file():
+        templates["default"] = template_file.read_text(encoding="utf-8")
+    template_dir = path / CHAT_TEMPLATE_DIR
+    if template_dir.is_dir():
+        for file in sorted(template_dir.glob("*.jinja")):
+            templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+    if templates:
+        return templates
+
+    entry = config.get("chat_template")
+    if isinstance(entry, str):
+        return {"default": entry}
+    if isinstance(entry, list):
+        try:
+            return {t["name"]: t["template"] for t in entry}
+        except (TypeError, KeyError) as e:
+            raise ConfigError(
+                f"chat_template in {path / TOKENIZER_CONFIG_FILE} must be a string or a list of "
+                '{"name": ..., "template": ...} objects'
+            ) from e
+    return {}
+
+
+def _prepare_message(message: object) -> dict[str, Any]:
+    """Normalize one message the way transformers does before rendering.
+
+    Keys whose value is None are dropped (OpenAI clients send `"content": null` next to
+    `tool_calls`, and templates test for missing keys, not for None), and reasoning given under any
+    of its names is made visible under all of them.
+    """
+    if not isinstance(message, Mapping):
+        raise InvalidRequestError(f"each message must be an object, got {message!r}", "messages")
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept transformers' `{% generation %}...{% endgeneration %}` blocks and render their body.
+
+    transformers uses the tag to build assistant-token masks for training; several published chat
+    templates contain it, and plain Jinja would reject them as syntax errors.
+    """
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise InvalidRequestError(str(message), "messages")
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own `tojson` escapes <, >, & and ' for HTML and sorts keys; chat templates expect the
+    # plain JSON that transformers' override produces.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment transformers renders chat templates in: a sandbox (templates come
+    with downloaded checkpoints), block trimming, loop controls, and the same helpers."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
