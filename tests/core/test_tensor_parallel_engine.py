@@ -296,8 +296,8 @@ def test_the_engine_loop_stops_the_workers_when_it_ends(checkpoint):
     from pegainfer.core.engine_loop import EngineLoop
 
     engine = make_engine(checkpoint, tensor_parallel_size=2)
-    loop = EngineLoop(engine, lambda data: None)
-    loop.start()
+    loop = EngineLoop(engine)
+    loop.start(lambda data: None)
     loop.shutdown()
     assert not loop._thread.is_alive()
     assert not any(worker.is_alive() for worker in engine.ranks.workers)
