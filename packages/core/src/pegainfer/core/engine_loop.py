@@ -179,17 +179,14 @@ class EngineLoop:
         return []
 
     def _compile(self, message: EngineRequest) -> None:
-        """Compile the request's grammar on the pool (the engine keeps compiled grammars, so
-        `add_request` later takes a copy); the loop wakes when it is done."""
+        """Check the request, its grammar compiled against the tokenizer, on the pool; the
+        loop wakes when that is done. The checks and the compiled grammar are remembered, so
+        `add_request` repeats them on the loop's thread at the cost of a copy."""
         if self._grammar_pool is None:
             self._grammar_pool = ThreadPoolExecutor(
                 _GRAMMAR_THREADS, thread_name_prefix="pegainfer-grammar"
             )
-        structured = message.params.structured
-        assert structured is not None
-        future = self._grammar_pool.submit(
-            self.engine.grammars.matcher, structured, message.eos_token_ids
-        )
+        future = self._grammar_pool.submit(self.engine.check_request, message)
         future.add_done_callback(lambda _: self._inbox.put(None))
         self._compiling[message.request_id] = (message, future)
 

@@ -62,7 +62,7 @@ class RequestLimits:
 
     def check(self, msg: EngineRequest) -> int:
         """Raise `InvalidRequestError` naming the first problem; return the resolved
-        max_tokens. A grammar is checked without the tokenizer (`StructuredOutput.grammar`);
+        max_tokens. A grammar is checked without the tokenizer (`StructuredOutput.validate`);
         the engine compiles it against the tokenizer."""
         prompt = msg.prompt_token_ids
         if not prompt:
@@ -72,7 +72,7 @@ class RequestLimits:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         msg.params.validate(vocab)
         if msg.params.structured is not None:
-            msg.params.structured.grammar()
+            msg.params.structured.validate()
         limit = self.max_model_len
         if len(prompt) >= limit:
             raise InvalidRequestError(

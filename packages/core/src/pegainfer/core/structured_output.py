@@ -45,11 +45,14 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
         return cls(kind="choice", spec=json.dumps(choices))
 
     def grammar(self) -> str:
-        """The llguidance grammar; raise `InvalidRequestError` where it cannot be one.
-
-        Checked without the tokenizer (about a millisecond for a large schema) and remembered,
-        so the frontend's validation and the engine's compile convert a spec once."""
+        """The llguidance grammar; raise `InvalidRequestError` where it cannot be one (a JSON
+        schema's own types and keywords are checked by `validate`, or when it compiles)."""
         return _grammar(self.kind, self.spec)
+
+    def validate(self) -> None:
+        """Check the whole grammar without the tokenizer, as vLLM's frontend does with
+        llguidance: up to tens of milliseconds for a large schema, remembered per spec."""
+        _validate(self.kind, self.spec)
 
 
 @lru_cache(maxsize=256)
@@ -65,10 +68,23 @@ def _grammar(kind: Kind, spec: str) -> str:
         grammar = llguidance.grammar_from(kind, spec)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"invalid {kind}: {exc}", kind) from exc
+    _check(kind, grammar)
+    return grammar
+
+
+@lru_cache(maxsize=256)
+def _validate(kind: Kind, spec: str) -> None:
+    grammar = _grammar(kind, spec)
+    if kind == "json_schema":  # the others were checked when converted
+        _check(kind, grammar)
+
+
+def _check(kind: Kind, grammar: str) -> None:
+    import llguidance
+
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise InvalidRequestError(f"invalid {kind}: {error}", kind)
-    return grammar
 
 
 class Grammars:
