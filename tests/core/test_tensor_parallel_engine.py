@@ -392,11 +392,18 @@ def test_a_rank_dying_mid_request_ends_it_with_an_error_and_the_server_reports_u
 
 
 def _rank_worker(pid: int) -> int:
-    """The tensor-parallel worker below `pid` (spawn's entry point; not its resource tracker)."""
-    for child in _descendants(pid):
-        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+    """The tensor-parallel worker below the server `pid`: spawned (spawn's entry point, not
+    its resource tracker) by the engine process, which the server spawned."""
+    spawned = {p for p in _descendants(pid)
+               if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()}  # fmt: skip
+    for child in spawned:
+        if _parent(child) in spawned:
             return child
     raise AssertionError("no worker process found")
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _descendants(pid: int) -> list[int]:
