@@ -16,11 +16,15 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.errors import PegainferError
 from pegainfer.server import parsers
+
+if TYPE_CHECKING:
+    from pegainfer.core.engine import EngineConfig
+    from pegainfer.core.engine_process import EngineProcess
 
 logger = logging.getLogger("pegainfer.server")
 
@@ -168,30 +172,33 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
     exit_code = 0
     engine = EngineProcess(engine_args, _LOG_FORMAT)
     try:
-        engine_config = await _load(engine, stop)
-        frontend = await asyncio.to_thread(
-            Frontend, engine_config.model_dir, engine_config.tokenizer_dir
-        )
-        line_defaults = {
-            "reasoning": engine_config.reasoning_parser,
-            "tool_call": engine_config.tool_call_parser,
-        }
-        chosen = parsers.resolve(parsers.registry(), _requested_parsers(server), line_defaults)
-        state.reasoning_parser, state.tool_call_parser = chosen["reasoning"], chosen["tool_call"]
-        state.client = AsyncEngineClient(
-            engine, frontend, Metrics(names[0]), server["max_waiting_requests"]
-        )
-        logger.info("ready: serving %s at http://%s:%s", names, server["host"], server["port"])
-    except PegainferError as exc:
-        if stop.is_set():
-            logger.info("stopped while loading")
-        else:
-            logger.error("cannot serve %s: %s", engine_args.model, exc)
-            state.startup_error = str(exc)
-            exit_code = 1
-            stop.set()
-    await http
-    await asyncio.to_thread(engine.shutdown, _ENGINE_STOP_S)
+        try:
+            engine_config = await _load(engine, stop)
+            frontend = await asyncio.to_thread(
+                Frontend, engine_config.model_dir, engine_config.tokenizer_dir
+            )
+            line_defaults = {
+                "reasoning": engine_config.reasoning_parser,
+                "tool_call": engine_config.tool_call_parser,
+            }
+            chosen = parsers.resolve(parsers.registry(), _requested_parsers(server), line_defaults)
+            state.reasoning_parser = chosen["reasoning"]
+            state.tool_call_parser = chosen["tool_call"]
+            state.client = AsyncEngineClient(
+                engine, frontend, Metrics(names[0]), server["max_waiting_requests"]
+            )
+            logger.info("ready: serving %s at http://%s:%s", names, server["host"], server["port"])
+        except PegainferError as exc:
+            if stop.is_set():
+                logger.info("stopped while loading")
+            else:
+                logger.error("cannot serve %s: %s", engine_args.model, exc)
+                state.startup_error = str(exc)
+                exit_code = 1
+                stop.set()
+        await http
+    finally:  # whatever ended serving: the engine process (not a daemon) must not outlive it
+        engine.shutdown(_ENGINE_STOP_S)
     return exit_code
 
 
@@ -200,7 +207,7 @@ _GRACEFUL_S = 5
 _ENGINE_STOP_S = 10.0
 
 
-async def _load(engine: Any, stop: asyncio.Event) -> Any:
+async def _load(engine: EngineProcess, stop: asyncio.Event) -> EngineConfig:
     """The engine's config once it has loaded; a stop request meanwhile ends the load (and
     `wait_ready` then raises)."""
     loading = asyncio.ensure_future(asyncio.to_thread(engine.wait_ready))

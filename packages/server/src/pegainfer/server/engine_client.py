@@ -64,9 +64,6 @@ class AsyncEngineClient:
     def alive(self) -> bool:
         return not self._failed and self._engine.alive
 
-    def shutdown(self) -> None:
-        self._engine.shutdown()
-
     def _on_outputs(self, data: bytes) -> None:
         """Called on the engine thread: hand the bytes to the event loop."""
         self._event_loop.call_soon_threadsafe(self._dispatch, data)
