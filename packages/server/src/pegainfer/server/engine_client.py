@@ -137,24 +137,7 @@ class AsyncEngineClient:
                             raise EngineFailedError(output.error or "the engine failed")
                         break  # the tokens before the failure go out first
                     backlog.popleft()
-                    now = time.time()
-                    if output.new_token_ids:
-                        first = request_id in self._waiting
-                        self._waiting.discard(request_id)
-                        self.metrics.record_tokens(
-                            len(output.new_token_ids), first=first, latency=now - last
-                        )
-                        last = now
-                    step = stream.process(output)
-                    if step.abort_engine:
-                        self._engine.send(AbortRequest([request_id]))
-                    if stream.finished:
-                        self.metrics.record_finished(
-                            stream.finish_reason or "abort",
-                            len(request.prompt_token_ids),
-                            now - arrival,
-                            output.queue_time,
-                        )
+                    step, last = self._process(stream, output, arrival, last)
                     if delta is None:
                         delta = step
                     else:
@@ -169,3 +152,24 @@ class AsyncEngineClient:
                 reason = "abort" if self.alive else "error"
                 elapsed = time.time() - arrival
                 self.metrics.record_finished(reason, len(request.prompt_token_ids), elapsed, None)
+
+    def _process(
+        self, stream: RequestStream, output: RequestOutput, arrival: float, last: float
+    ) -> tuple[StreamDelta, float]:
+        """Fold one output into its request's stream and metrics; return the delta and when
+        the request's latest tokens arrived (`last` unless this output brought some)."""
+        now = time.time()
+        request_id = stream.request_id
+        if output.new_token_ids:
+            first = request_id in self._waiting
+            self._waiting.discard(request_id)
+            self.metrics.record_tokens(len(output.new_token_ids), first=first, latency=now - last)
+            last = now
+        delta = stream.process(output)
+        if delta.abort_engine:
+            self._engine.send(AbortRequest([request_id]))
+        if stream.finished:
+            prompt_tokens = len(stream.prompt_token_ids)
+            reason = stream.finish_reason or "abort"
+            self.metrics.record_finished(reason, prompt_tokens, now - arrival, output.queue_time)
+        return delta, last
