@@ -35,7 +35,7 @@ import msgspec
 import torch
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.engine import EngineConfig
+from pegainfer.core.engine import EngineConfig, EngineCore
 from pegainfer.core.engine_loop import EngineLoop, OutputSink, encode
 from pegainfer.core.errors import PegainferError
 from pegainfer.core.messages import EngineOutputs, Inbound, Shutdown
@@ -145,7 +145,8 @@ class EngineProcess:
             self.send(Shutdown())
             self.process.join(timeout)
         if self.process.is_alive():
-            logger.warning("the engine process did not stop in %s s: terminating it", timeout)
+            if timeout:
+                logger.warning("the engine process did not stop in %s s: terminating it", timeout)
             self.process.terminate()
             self.process.join(_TERMINATE_S)
         if self.process.is_alive():
@@ -188,8 +189,6 @@ def _engine_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=log_format)
     threading.Thread(target=_exit_with_parent, daemon=True, name="pegainfer-parent").start()
-    from pegainfer.core.engine import EngineCore
-
     try:
         engine = EngineCore(args)
     except Exception as exc:
