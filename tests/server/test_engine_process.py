@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -43,7 +44,7 @@ def running(pid: int) -> bool:
 
 
 @pytest.fixture
-def own_server(tiny_model, tmp_path) -> Server:
+def own_server(tiny_model, tmp_path) -> Iterator[Server]:
     """A server of this test's own, for tests that stop or kill its processes."""
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     server = start_server(tiny_model, tmp_path / "server.log", "--max-model-len", "4096",
