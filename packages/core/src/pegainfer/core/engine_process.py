@@ -11,7 +11,8 @@ bytes an `EngineLoop` thread exchanges, so the frontend drives either through
 
 In the engine process the step loop runs in the main thread; a receiver thread moves
 messages from the pipe to the loop's inbox (the loop polls it while requests run and blocks
-on it when idle) and a sender thread writes outputs, so a step never waits on a full pipe.
+on it when idle) and a writer thread writes outputs, so a step never waits on a full pipe
+(the server writes inbound messages from a thread too, so its event loop never waits either).
 The engine process ignores SIGINT (the server's Ctrl-C reaches the whole process group; the
 server decides how the engine stops) and ends at once if the server's process ends, however
 it ended. On the server's side a reader thread blocks in `recv_bytes` and hands each message
@@ -103,6 +104,7 @@ class EngineProcess:
         # Only the engine process holds these ends now: its death closes the pipes.
         inbox_reader.close()
         outbox_writer.close()
+        self._writer = _PipeWriter(self._inbox)
         self._reader: threading.Thread | None = None
         self._stopping = False
         self._dead = False
@@ -135,8 +137,9 @@ class EngineProcess:
         self._reader.start()
 
     def send(self, message: Inbound) -> None:
-        with contextlib.suppress(OSError):  # the engine process is gone; the reader says so
-            self._inbox.send_bytes(encode(message))
+        """Queue `message` for the engine; never blocks (a busy engine process may leave the
+        pipe full for a while, and the caller is the server's event loop)."""
+        self._writer.put(encode(message))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Ask the engine to stop, wait up to `timeout` s, then terminate (and kill) it."""
@@ -152,6 +155,7 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        self._writer.close()  # the engine process is gone: a write still blocked fails
         self._inbox.close()
         if self._reader is not None:
             self._reader.join()
@@ -200,11 +204,11 @@ def _engine_main(
     loop = EngineLoop(engine)
     threading.Thread(target=_receive, args=(inbox, loop), daemon=True,
                      name="pegainfer-engine-receiver").start()  # fmt: skip
-    sender = _Sender(outbox)
+    writer = _PipeWriter(outbox)
     try:
-        loop.run(sender.put)
+        loop.run(writer.put)
     finally:
-        sender.close()
+        writer.close()
     if loop.error is not None:
         raise SystemExit(1)
 
@@ -218,26 +222,26 @@ def _receive(inbox: Connection, loop: EngineLoop) -> None:
         loop.send(Shutdown())
 
 
-class _Sender:
-    """Writes the loop's outputs to the pipe from a thread of its own, in order."""
+class _PipeWriter:
+    """Writes messages to a pipe from a thread of its own, in order, so the caller never
+    waits on a full pipe (the step loop on the server, the server's event loop on the engine
+    process). Once the other end is gone, messages are dropped."""
 
-    def __init__(self, outbox: Connection) -> None:
-        self._outbox = outbox
+    def __init__(self, pipe: Connection) -> None:
+        self._pipe = pipe
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="pegainfer-sender")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pegainfer-writer")
         self._thread.start()
 
     def put(self, data: bytes) -> None:
         self._queue.put(data)
 
     def close(self) -> None:
-        """Send what is queued, then stop."""
+        """Write what is queued, then stop."""
         self._queue.put(None)
         self._thread.join()
 
     def _run(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the other end is gone
             while (data := self._queue.get()) is not None:
-                self._outbox.send_bytes(data)
-        except OSError:  # the server is gone
-            pass
+                self._pipe.send_bytes(data)
