@@ -300,8 +300,8 @@ def test_the_engine_loop_stops_the_workers_when_it_ends(checkpoint):
     from pegainfer.core.engine.loop import EngineLoop
 
     engine = make_engine(checkpoint, tensor_parallel_size=2)
-    loop = EngineLoop(engine, lambda data: None)
-    loop.start()
+    loop = EngineLoop(engine)
+    loop.start(lambda data: None)
     loop.shutdown()
     assert not loop._thread.is_alive()
     assert not any(worker.is_alive() for worker in engine.ranks.workers)
@@ -396,11 +396,18 @@ def test_a_rank_dying_mid_request_ends_it_with_an_error_and_the_server_reports_u
 
 
 def _rank_worker(pid: int) -> int:
-    """The tensor-parallel worker below `pid` (spawn's entry point; not its resource tracker)."""
-    for child in _descendants(pid):
-        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+    """The tensor-parallel worker below the server `pid`: spawned (spawn's entry point, not
+    its resource tracker) by the engine process, which the server spawned."""
+    spawned = {p for p in _descendants(pid)
+               if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()}  # fmt: skip
+    for child in spawned:
+        if _parent(child) in spawned:
             return child
     raise AssertionError("no worker process found")
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _descendants(pid: int) -> list[int]:

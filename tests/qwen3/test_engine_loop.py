@@ -21,8 +21,8 @@ def request(rid: str, prompt: list[int], params: SamplingParams) -> EngineReques
 @pytest.fixture
 def loop(hf_checkpoints):
     outputs: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-    engine_loop = EngineLoop(make_engine(hf_checkpoints(True)), outputs.put)
-    engine_loop.start()
+    engine_loop = EngineLoop(make_engine(hf_checkpoints(True)))
+    engine_loop.start(outputs.put)
     yield engine_loop, outputs
     engine_loop.shutdown()
     assert not engine_loop.alive
@@ -86,7 +86,9 @@ def test_a_failing_step_ends_every_request_in_flight(hf_checkpoints):
     engine.step = failing_step
 
     async def scenario(tmp_tokenizer_dir):
-        client = AsyncEngineClient(engine, Frontend(tmp_tokenizer_dir), Metrics("m"), 100)
+        client = AsyncEngineClient(
+            EngineLoop(engine), Frontend(tmp_tokenizer_dir), Metrics("m"), 100
+        )
         reservation = client.reserve(2)
 
         async def consume(rid):

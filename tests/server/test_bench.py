@@ -43,7 +43,9 @@ def assert_exact(result: dict[str, Any], num_prompts: int, prompt_len: int) -> N
         result["ttfts"], result["itls"], result["latencies"], strict=True
     ):
         assert ttft > 0
-        assert len(itls) == OUT - 1
+        # A stream whose reader falls behind gets the tokens queued meanwhile in one event
+        # (as vLLM's does): at most one gap per token after the first.
+        assert len(itls) <= OUT - 1
         assert latency >= ttft
         assert latency == pytest.approx(ttft + sum(itls))
     for metric in ("ttft", "tpot", "itl", "e2el"):

@@ -82,7 +82,7 @@ def test_64_concurrent_streams_complete_with_exact_usage(server):
     ids = set()
     for chunks, expected_prompt in zip(results, prompt_tokens, strict=True):
         *content, last = chunks
-        assert len(content) == MAX_TOKENS
+        assert 1 <= len(content) <= MAX_TOKENS  # a reader behind gets several tokens at once
         assert content[-1].choices[0].finish_reason == "length"
         assert last.choices == []
         assert last.usage.completion_tokens == MAX_TOKENS

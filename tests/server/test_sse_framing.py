@@ -51,18 +51,20 @@ def test_completion_events_with_usage(server):
     check_headers(response)
     payloads = sse_payloads(raw)
     *content, last = payloads
-    assert len(content) == N  # one token per chunk
+    # One token per chunk, except that a reader behind gets the tokens queued meanwhile in one.
+    assert 1 <= len(content) <= N
     for chunk in content:
         assert chunk["object"] == "text_completion"
         assert chunk.get("usage") is None
         (choice,) = chunk["choices"]
         assert choice["index"] == 0
         assert isinstance(choice["text"], str)
-    assert [c["choices"][0]["finish_reason"] for c in content] == [None] * (N - 1) + ["length"]
+    reasons = [c["choices"][0]["finish_reason"] for c in content]
+    assert reasons == [None] * (len(reasons) - 1) + ["length"]
     assert len({c["id"] for c in payloads}) == 1
     assert last["choices"] == []
     usage = last["usage"]
-    assert usage["completion_tokens"] == len(content) == N
+    assert usage["completion_tokens"] == N
     assert usage["prompt_tokens"] == len(tokenize(server, prompt=PROMPT))
     assert usage["total_tokens"] == usage["prompt_tokens"] + N
     assert "cached_tokens" in usage["prompt_tokens_details"]
@@ -77,7 +79,7 @@ def test_chat_events_with_usage(server):
     first, *content, last = payloads
     assert first["choices"][0]["delta"]["role"] == "assistant"
     assert first["choices"][0]["finish_reason"] is None
-    assert len(content) == N
+    assert 1 <= len(content) <= N  # as for completions
     for chunk in [first, *content]:
         assert chunk["object"] == "chat.completion.chunk"
         assert chunk.get("usage") is None
@@ -85,11 +87,12 @@ def test_chat_events_with_usage(server):
         assert choice["index"] == 0
     assert all("role" not in c["choices"][0]["delta"] for c in content)
     assert all(isinstance(c["choices"][0]["delta"]["content"], str) for c in content)
-    assert [c["choices"][0]["finish_reason"] for c in content] == [None] * (N - 1) + ["length"]
+    reasons = [c["choices"][0]["finish_reason"] for c in content]
+    assert reasons == [None] * (len(reasons) - 1) + ["length"]
     assert len({c["id"] for c in payloads}) == 1
     assert last["choices"] == []
     usage = last["usage"]
-    assert usage["completion_tokens"] == len(content) == N
+    assert usage["completion_tokens"] == N
     assert usage["prompt_tokens"] == len(tokenize(server, messages=MESSAGES))
     assert usage["total_tokens"] == usage["prompt_tokens"] + N
 
@@ -119,7 +122,7 @@ def test_several_prompts_in_one_stream(server):
     for chunk in content:
         (choice,) = chunk["choices"]
         per_index[choice["index"]] += 1
-    assert per_index == {0: N, 1: N}
+    assert all(1 <= count <= N for count in per_index.values()), per_index  # see above
     assert last["usage"]["completion_tokens"] == 2 * N
     assert last["usage"]["prompt_tokens"] == sum(len(tokenize(server, prompt=p)) for p in prompts)
 

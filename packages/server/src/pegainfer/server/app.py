@@ -124,8 +124,8 @@ def build_app(state: ServerState) -> Starlette:
 
     async def models(request: Request) -> Response:
         client = state.ready_client()
-        root = str(client.engine.config.model_dir)
-        max_len = client.engine.config.max_model_len
+        root = str(client.config.model_dir)
+        max_len = client.config.max_model_len
         cards = [ModelCard(name, state.started_at, max_len, root) for name in state.model_names]
         return _json(ModelList(cards))
 
@@ -146,13 +146,13 @@ def build_app(state: ServerState) -> Starlette:
                 raise bad_request("give either prompt or messages", "prompt")
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from exc
-        max_len = client.engine.config.max_model_len
+        max_len = client.config.max_model_len
         return _json(TokenizeResponse(tokens, len(tokens), max_len))
 
     async def detokenize(request: Request) -> Response:
         client = state.ready_client()
         body = await read_body(request, DetokenizeRequest)
-        vocab = client.engine.config.vocab_size
+        vocab = client.config.vocab_size
         if any(not (0 <= t < vocab) for t in body.tokens):
             raise bad_request(f"tokens must be in [0, {vocab})", "tokens")
         return _json(DetokenizeResponse(client.frontend.tokenizer.decode(body.tokens, False)))

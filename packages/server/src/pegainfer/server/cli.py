@@ -1,7 +1,10 @@
 """`pegainfer-server`: serve one model over the OpenAI API.
 
 HTTP comes up at once, answering 503 on /health and the API while the model loads; it turns
-ready only when the engine can serve. If loading fails, the process exits non-zero.
+ready only when the engine can serve. The engine runs in a process of its own
+(`pegainfer.core.engine.process`), so HTTP, SSE framing, detokenization and metrics never take
+the GIL from its step loop. If loading fails, the process exits non-zero with the reason; if
+the engine process dies later, requests in flight fail and /health turns 503.
 """
 
 from __future__ import annotations
@@ -13,13 +16,19 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.errors import PegainferError
 from pegainfer.server import parsers
 
+if TYPE_CHECKING:
+    from pegainfer.core.engine.core import EngineConfig
+    from pegainfer.core.engine.process import EngineProcess
+
 logger = logging.getLogger("pegainfer.server")
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,10 +122,7 @@ _SERVER_FIELDS = (
 def main(argv: list[str] | None = None) -> int:
     options = vars(build_parser().parse_args(argv))
     server = {name: options.pop(name) for name in _SERVER_FIELDS}
-    logging.basicConfig(
-        level=server["log_level"].upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=server["log_level"].upper(), format=_LOG_FORMAT)
     try:
         engine_args = EngineArgs(**options).validate()
         parsers.check_names(parsers.registry(), _requested_parsers(server))
@@ -131,12 +137,17 @@ def _requested_parsers(server: dict[str, Any]) -> dict[str, str | None]:
 
 
 async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
+    """Serve HTTP at once and the model once the engine process has loaded it.
+
+    SIGINT and SIGTERM stop HTTP (open streams get a few seconds), then the engine process
+    (a bounded wait, then it is terminated); while the model loads, they end the load.
+    """
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
-    from pegainfer.core.engine.core import EngineCore
     from pegainfer.core.engine.frontend import Frontend
     from pegainfer.core.engine.metrics import Metrics
+    from pegainfer.core.engine.process import EngineProcess
     from pegainfer.server.app import ServerState, build_app
     from pegainfer.server.engine_client import AsyncEngineClient
 
@@ -149,7 +160,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
     config = Config()
     config.bind = [f"{server['host']}:{server['port']}"]
     config.accesslog = None
-    config.graceful_timeout = 5
+    config.graceful_timeout = _GRACEFUL_S
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -159,26 +170,53 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
     )
 
     exit_code = 0
+    engine = EngineProcess(engine_args, _LOG_FORMAT)
     try:
-        engine = await asyncio.to_thread(EngineCore, engine_args)
-        config = engine.config
-        frontend = await asyncio.to_thread(Frontend, config.model_dir, config.tokenizer_dir)
-        line_defaults = {"reasoning": config.reasoning_parser, "tool_call": config.tool_call_parser}
-        chosen = parsers.resolve(parsers.registry(), _requested_parsers(server), line_defaults)
-        state.reasoning_parser, state.tool_call_parser = chosen["reasoning"], chosen["tool_call"]
-        state.client = AsyncEngineClient(
-            engine, frontend, Metrics(names[0]), server["max_waiting_requests"]
-        )
-        logger.info("ready: serving %s at http://%s:%s", names, server["host"], server["port"])
-    except PegainferError as exc:
-        logger.error("cannot serve %s: %s", engine_args.model, exc)
-        state.startup_error = str(exc)
-        exit_code = 1
-        stop.set()
-    await http
-    if state.client is not None:
-        state.client.shutdown()
+        try:
+            engine_config = await _load(engine, stop)
+            frontend = await asyncio.to_thread(
+                Frontend, engine_config.model_dir, engine_config.tokenizer_dir
+            )
+            line_defaults = {
+                "reasoning": engine_config.reasoning_parser,
+                "tool_call": engine_config.tool_call_parser,
+            }
+            chosen = parsers.resolve(parsers.registry(), _requested_parsers(server), line_defaults)
+            state.reasoning_parser = chosen["reasoning"]
+            state.tool_call_parser = chosen["tool_call"]
+            state.client = AsyncEngineClient(
+                engine, frontend, Metrics(names[0]), server["max_waiting_requests"]
+            )
+            logger.info("ready: serving %s at http://%s:%s", names, server["host"], server["port"])
+        except PegainferError as exc:
+            if stop.is_set():
+                logger.info("stopped while loading")
+            else:
+                logger.error("cannot serve %s: %s", engine_args.model, exc)
+                state.startup_error = str(exc)
+                exit_code = 1
+                stop.set()
+        await http
+    finally:  # whatever ended serving: the engine process (not a daemon) must not outlive it
+        engine.shutdown(_ENGINE_STOP_S)
     return exit_code
+
+
+# Seconds open streams get once the server is asked to stop, then the engine process.
+_GRACEFUL_S = 5
+_ENGINE_STOP_S = 10.0
+
+
+async def _load(engine: EngineProcess, stop: asyncio.Event) -> EngineConfig:
+    """The engine's config once it has loaded; a stop request meanwhile ends the load (and
+    `wait_ready` then raises)."""
+    loading = asyncio.ensure_future(asyncio.to_thread(engine.wait_ready))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not loading.done():
+        await asyncio.to_thread(engine.shutdown, 0)
+    return await loading
 
 
 if __name__ == "__main__":

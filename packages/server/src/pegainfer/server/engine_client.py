@@ -1,20 +1,24 @@
 """The asyncio side of the engine boundary: submit requests, stream their outputs back.
 
-The engine loop runs in its own thread and hands encoded outputs to `_on_outputs`, which
-moves them onto the event loop; there each request's outputs are detokenized (never on the
-engine loop) and measured for metrics. A request whose consumer goes away is aborted.
+The client holds an `EngineConnection` (the server's: the engine in a process of its own;
+tests may drive a thread-mode `EngineLoop`), the engine's config and the frontend's
+`RequestLimits`, never the engine itself. The connection hands encoded outputs to
+`_on_outputs` from a thread of its own; they move onto the event loop, where each request's
+outputs are detokenized (never on the engine loop) and measured for metrics. A consumer that
+falls behind gets the outputs queued meanwhile as one delta (one SSE event instead of one per
+token). A request whose consumer goes away is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pegainfer.core.engine.core import EngineCore
-from pegainfer.core.engine.frontend import Frontend, RequestStream, StreamDelta
-from pegainfer.core.engine.loop import EngineLoop, decode_outputs
+from pegainfer.core.engine.frontend import Frontend, RequestLimits, RequestStream, StreamDelta
+from pegainfer.core.engine.loop import EngineConnection, decode_outputs
 from pegainfer.core.engine.messages import AbortRequest, EngineRequest, RequestOutput
 from pegainfer.core.engine.metrics import Metrics
 
@@ -38,10 +42,13 @@ class Reservation:
 
 
 class AsyncEngineClient:
+    """Starts delivering `engine`'s outputs (call it on the event loop that will serve)."""
+
     def __init__(
-        self, engine: EngineCore, frontend: Frontend, metrics: Metrics, max_waiting: int
+        self, engine: EngineConnection, frontend: Frontend, metrics: Metrics, max_waiting: int
     ) -> None:
-        self.engine = engine
+        self.config = engine.config
+        self.limits = RequestLimits(self.config.vocab_size, self.config.max_model_len)
         self.frontend = frontend
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -49,15 +56,13 @@ class AsyncEngineClient:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._waiting: set[str] = set()
         self._reservations: list[Reservation] = []
-        self._loop = EngineLoop(engine, self._on_outputs)
-        self._loop.start()
+        self._failed = False
+        self._engine = engine
+        engine.start(self._on_outputs)
 
     @property
     def alive(self) -> bool:
-        return self._loop.alive
-
-    def shutdown(self) -> None:
-        self._loop.shutdown()
+        return not self._failed and self._engine.alive
 
     def _on_outputs(self, data: bytes) -> None:
         """Called on the engine thread: hand the bytes to the event loop."""
@@ -72,6 +77,7 @@ class AsyncEngineClient:
             if queue is not None:
                 queue.put_nowait(output)
         if batch.engine_failed is not None:
+            self._failed = True
             for request_id, queue in self._queues.items():
                 queue.put_nowait(RequestOutput.failure(request_id, batch.engine_failed))
 
@@ -113,38 +119,57 @@ class AsyncEngineClient:
         self._waiting.add(request_id)
         # Latencies count from the request's arrival at the frontend, as vLLM's do.
         arrival = last = request.arrival_time
-        self._loop.send(request)
+        self._engine.send(request)
+        backlog: deque[RequestOutput] = deque()
         try:
             if not self.alive:  # died before our request arrived: no output will come
                 raise EngineFailedError("the engine loop is not running")
             while not stream.finished:
-                output = await queue.get()
-                if output.finish_reason == "error":
-                    raise EngineFailedError(output.error or "the engine failed")
-                now = time.time()
-                if output.new_token_ids:
-                    first = request_id in self._waiting
-                    self._waiting.discard(request_id)
-                    self.metrics.record_tokens(
-                        len(output.new_token_ids), first=first, latency=now - last
-                    )
-                    last = now
-                delta = stream.process(output)
-                if delta.abort_engine:
-                    self._loop.send(AbortRequest([request_id]))
-                if stream.finished:
-                    self.metrics.record_finished(
-                        stream.finish_reason or "abort",
-                        len(request.prompt_token_ids),
-                        now - arrival,
-                        output.queue_time,
-                    )
+                if not backlog:
+                    backlog.append(await queue.get())
+                while not queue.empty():  # a consumer behind: what came meanwhile goes as one
+                    backlog.append(queue.get_nowait())
+                delta: StreamDelta | None = None
+                while backlog and not stream.finished:
+                    output = backlog[0]
+                    if output.finish_reason == "error":
+                        if delta is None:
+                            raise EngineFailedError(output.error or "the engine failed")
+                        break  # the tokens before the failure go out first
+                    backlog.popleft()
+                    step, last = self._process(stream, output, arrival, last)
+                    if delta is None:
+                        delta = step
+                    else:
+                        delta.extend(step)
+                assert delta is not None
                 yield stream, delta
         finally:
             self._queues.pop(request_id, None)
             self._waiting.discard(request_id)
             if not stream.finished:
-                self._loop.send(AbortRequest([request_id]))
+                self._engine.send(AbortRequest([request_id]))
                 reason = "abort" if self.alive else "error"
                 elapsed = time.time() - arrival
                 self.metrics.record_finished(reason, len(request.prompt_token_ids), elapsed, None)
+
+    def _process(
+        self, stream: RequestStream, output: RequestOutput, arrival: float, last: float
+    ) -> tuple[StreamDelta, float]:
+        """Fold one output into its request's stream and metrics; return the delta and when
+        the request's latest tokens arrived (`last` unless this output brought some)."""
+        now = time.time()
+        request_id = stream.request_id
+        if output.new_token_ids:
+            first = request_id in self._waiting
+            self._waiting.discard(request_id)
+            self.metrics.record_tokens(len(output.new_token_ids), first=first, latency=now - last)
+            last = now
+        delta = stream.process(output)
+        if delta.abort_engine:
+            self._engine.send(AbortRequest([request_id]))
+        if stream.finished:
+            prompt_tokens = len(stream.prompt_token_ids)
+            reason = stream.finish_reason or "abort"
+            self.metrics.record_finished(reason, prompt_tokens, now - arrival, output.queue_time)
+        return delta, last

@@ -83,7 +83,7 @@ def sampling_params(
     }
     params = client.frontend.default_sampling_params(**explicit)
     try:
-        return params.validate(client.engine.config.vocab_size)
+        return params.validate(client.config.vocab_size)
     except InvalidRequestError as exc:
         param = exc.param
         if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
@@ -115,10 +115,13 @@ def engine_request(
     params: SamplingParams,
     cache_salt: str | None,
 ) -> EngineRequest:
+    """The request for the engine, checked as the engine will check it (a grammar without
+    the tokenizer: the engine process compiles it), so a bad one is a 400, never a failure
+    mid-stream."""
     request = client.frontend.make_request(rid, prompt_token_ids, params)
     request.cache_salt = cache_salt
     try:
-        client.engine.check_request(request)
+        client.limits.check(request)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.param) from exc
     return request

@@ -17,6 +17,7 @@ import torch
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.distributed.data_parallel import DataParallelScheduler, rank_plans
 from pegainfer.core.distributed.tensor_parallel import TensorParallelRanks, WorkerSpec
+from pegainfer.core.engine.frontend import RequestLimits
 from pegainfer.core.engine.messages import EngineRequest, EngineStats, RequestOutput
 from pegainfer.core.engine.request import Request
 from pegainfer.core.engine.scheduler import (
@@ -415,29 +416,9 @@ class EngineCore:
 
     def check_request(self, msg: EngineRequest) -> int:
         """Validate a request against the model; return its resolved max_tokens."""
-        prompt = msg.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("the prompt must contain at least one token", "prompt")
-        vocab = self.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        msg.params.validate(vocab)
+        max_tokens = RequestLimits(self.config.vocab_size, self.config.max_model_len).check(msg)
         if msg.params.structured is not None:  # compiles against the tokenizer, or says why not
             self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
-        limit = self.config.max_model_len
-        if len(prompt) >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt)} tokens, but this model's context is {limit} tokens "
-                "and at least one must be left to generate",
-                "prompt",
-            )
-        max_tokens = msg.params.max_tokens or limit - len(prompt)
-        if len(prompt) + max_tokens > limit:
-            raise InvalidRequestError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"model's context of {limit} tokens",
-                "max_tokens",
-            )
         return max_tokens
 
     def add_request(self, msg: EngineRequest) -> None:

@@ -1,8 +1,10 @@
 """The request side of the engine boundary, shared by the offline API and the HTTP server.
 
-`Frontend` turns prompts and chats into validated `EngineRequest`s; `RequestStream` turns the
-engine's token-id outputs for one request back into text, applying stop strings (which the
-engine cannot see). Neither runs on the engine loop.
+`Frontend` turns prompts and chats into `EngineRequest`s and `RequestLimits` validates them
+against the served model without an engine (the HTTP server never holds one: the engine
+may run in another process); `RequestStream` turns the engine's token-id outputs for one
+request back into text, applying stop strings (which the engine cannot see). None of them
+runs on the engine loop.
 """
 
 from __future__ import annotations
@@ -36,6 +38,56 @@ class StreamDelta:
     abort_engine: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, if asked
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, if asked
+
+    def extend(self, later: StreamDelta) -> None:
+        """Fold the delta that followed this one in, so two deltas go out as one event."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs = self.logprobs + later.logprobs
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.abort_engine = self.abort_engine or later.abort_engine
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.stop_reason = later.stop_reason
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must satisfy to be served by a model: the checks the engine makes on
+    every request it accepts, made by the frontend too so a bad request is refused before
+    it is sent (and before a stream's status line)."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def check(self, msg: EngineRequest) -> int:
+        """Raise `InvalidRequestError` naming the first problem; return the resolved
+        max_tokens. A grammar is checked without the tokenizer (`StructuredOutput.validate`);
+        the engine compiles it against the tokenizer."""
+        prompt = msg.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt must contain at least one token", "prompt")
+        vocab = self.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        msg.params.validate(vocab)
+        if msg.params.structured is not None:
+            msg.params.structured.validate()
+        limit = self.max_model_len
+        if len(prompt) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens, but this model's context is {limit} tokens "
+                "and at least one must be left to generate",
+                "prompt",
+            )
+        max_tokens = msg.params.max_tokens or limit - len(prompt)
+        if len(prompt) + max_tokens > limit:
+            raise InvalidRequestError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {limit} tokens",
+                "max_tokens",
+            )
+        return max_tokens
 
 
 @dataclass

@@ -1,12 +1,17 @@
 """The GPU-owning loop: steps the engine and talks to the frontend only through messages.
 
 Inbound messages (`messages.Inbound`) and outbound `EngineOutputs` cross as msgpack bytes, so
-this thread-based loop and a process-based one are interchangeable for the frontend. The loop
-blocks when it has nothing to do; aborts and new requests take effect at the next step.
-A failure inside a step ends every request with an error instead of hanging its client.
-The loop owns the engine: when it ends, it shuts the engine down from the thread that ran its
-steps (under tensor parallelism the CUDA graphs go before the NCCL communicator, then the
-workers stop; left to exit time, NCCL's teardown waits on graphs still alive).
+the frontend drives this loop in a thread of its own process (`EngineLoop.start`: the offline
+API's tests, the engine tests) or in a process of its own (`process.EngineProcess`,
+which runs `EngineLoop.run` in the engine process's main thread) through one interface,
+`EngineConnection`. The loop blocks when it has nothing to do; aborts and new requests take
+effect at the next step. A request with a grammar is compiled against the tokenizer on a
+thread of the loop's pool first and scheduled once its grammar is ready, so a large schema
+never holds up the running requests' steps.
+A failure inside a step ends every request in flight with an error instead of hanging its
+client. The loop owns the engine: when it ends, it shuts the engine down from the thread that
+ran its steps (under tensor parallelism the CUDA graphs go before the NCCL communicator, then
+the workers stop; left to exit time, NCCL's teardown waits on graphs still alive).
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.engine.messages import (
     AbortRequest,
     EngineOutputs,
@@ -29,6 +35,9 @@ from pegainfer.core.engine.messages import (
 )
 from pegainfer.core.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    from pegainfer.core.engine.core import EngineConfig, EngineCore
+
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[bytes], None]
@@ -37,46 +46,82 @@ _encoder = msgspec.msgpack.Encoder()
 _inbound_decoder = msgspec.msgpack.Decoder(Inbound)
 _outputs_decoder = msgspec.msgpack.Decoder(EngineOutputs)
 
+# Grammars compiled at once: llguidance compiles outside the GIL, each on a thread of its own.
+_GRAMMAR_THREADS = 2
+
+
+def encode(message: Inbound | EngineOutputs) -> bytes:
+    return _encoder.encode(message)
+
 
 def decode_outputs(data: bytes) -> EngineOutputs:
     return _outputs_decoder.decode(data)
 
 
-class EngineLoop:
-    """Runs `engine` in a dedicated thread; `sink` receives encoded `EngineOutputs`.
+class EngineConnection(Protocol):
+    """What the frontend drives, whether the loop runs in a thread or in its own process.
 
-    `sink` is called from the loop's thread and must not block (hand the bytes to another
-    thread or event loop).
+    `start(sink)` begins delivering encoded `EngineOutputs` to `sink`, from a thread other
+    than the caller's (the sink must not block). `alive` turns False once the engine cannot
+    serve; its last message then carries `engine_failed`, unless it was shut down.
     """
 
-    def __init__(self, engine: EngineCore, sink: OutputSink) -> None:
+    config: EngineConfig
+
+    @property
+    def alive(self) -> bool: ...
+
+    def start(self, sink: OutputSink) -> None: ...
+
+    def send(self, message: Inbound) -> None: ...
+
+    def shutdown(self, timeout: float | None = 30.0) -> None: ...
+
+
+class EngineLoop:
+    """Steps `engine`, in a thread of its own (`start`) or in the caller's (`run`)."""
+
+    def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
-        self._sink = sink
-        self._inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="pegainfer-engine", daemon=True)
+        self.config = engine.config
+        # Encoded inbound messages; None wakes the loop when a grammar has compiled.
+        self._inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._compiling: dict[str, tuple[EngineRequest, Future]] = {}
+        self._grammar_pool: ThreadPoolExecutor | None = None
         self.error: BaseException | None = None
 
-    def start(self) -> None:
+    def start(self, sink: OutputSink) -> None:
+        """Run the loop in a daemon thread."""
+        self._thread = threading.Thread(
+            target=self.run, args=(sink,), name="pegainfer-engine", daemon=True
+        )
         self._thread.start()
 
     @property
     def alive(self) -> bool:
         # A failed loop is dead from the moment it fails, before its thread has ended: the
         # failure it hands the sink must not race with this flag.
-        return self._thread.is_alive() and self.error is None
+        return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def send(self, message: Inbound) -> None:
-        self._inbox.put(_encoder.encode(message))
+        self._inbox.put(encode(message))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Queue a message already encoded (as it arrives from another process)."""
+        self._inbox.put(data)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop and wait for the engine's own shutdown (a failed loop is still
         shutting its engine down when it reports the failure)."""
         if self.alive:
             self.send(Shutdown())
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
-    def _run(self) -> None:
+    def run(self, sink: OutputSink) -> None:
+        """Step the engine until a `Shutdown` arrives or a step fails; `sink` gets every
+        encoded `EngineOutputs` (from this thread: it must not block)."""
         outputs: list[RequestOutput] = []
         try:
             while True:
@@ -84,35 +129,79 @@ class EngineLoop:
                     if isinstance(message, Shutdown):
                         return
                     outputs.extend(self._handle(message))
+                outputs.extend(self._admit_compiled())
                 outputs.extend(self.engine.step())
                 if outputs:
-                    self._sink(_encoder.encode(EngineOutputs(outputs, self.engine.stats())))
+                    sink(encode(EngineOutputs(outputs, self.engine.stats())))
                     outputs = []
         except Exception as exc:
             logger.exception("engine loop failed; failing every request in flight")
             self.error = exc
             # The frontend fails every request it is waiting on, sent or still in the inbox.
-            failure = EngineOutputs(outputs, engine_failed=f"engine failure: {exc}")
-            self._sink(_encoder.encode(failure))
+            sink(encode(EngineOutputs(outputs, engine_failed=f"engine failure: {exc}")))
         finally:
+            if self._grammar_pool is not None:
+                self._grammar_pool.shutdown(wait=False, cancel_futures=True)
             self.engine.shutdown()
 
     def _receive(self, block: bool) -> list[Inbound]:
-        """Everything waiting in the inbox; waits for the first message when `block`."""
+        """Everything waiting in the inbox; waits for the first message (or a compiled
+        grammar) when `block`."""
         messages = []
         try:
             if block:
-                messages.append(_inbound_decoder.decode(self._inbox.get()))
+                data = self._inbox.get()
+                if data is not None:
+                    messages.append(_inbound_decoder.decode(data))
             while True:
-                messages.append(_inbound_decoder.decode(self._inbox.get_nowait()))
+                data = self._inbox.get_nowait()
+                if data is not None:
+                    messages.append(_inbound_decoder.decode(data))
         except queue.Empty:
             return messages
 
     def _handle(self, message: EngineRequest | AbortRequest) -> list[RequestOutput]:
         if isinstance(message, AbortRequest):
-            return self.engine.abort(message.request_ids)
+            aborted = [rid for rid in message.request_ids if self._compiling.pop(rid, None)]
+            outputs = [RequestOutput(request_id=rid, new_token_ids=[], num_cached_tokens=0,
+                                     finish_reason="abort") for rid in aborted]  # fmt: skip
+            return outputs + self.engine.abort(message.request_ids)
+        if message.params.structured is not None:
+            self._compile(message)
+            return []
+        return self._add(message)
+
+    def _add(self, message: EngineRequest) -> list[RequestOutput]:
         try:
             self.engine.add_request(message)
         except InvalidRequestError as exc:
             return [RequestOutput.failure(message.request_id, str(exc))]
         return []
+
+    def _compile(self, message: EngineRequest) -> None:
+        """Check the request, its grammar compiled against the tokenizer, on the pool; the
+        loop wakes when that is done. The checks and the compiled grammar are remembered, so
+        `add_request` repeats them on the loop's thread at the cost of a copy."""
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(
+                _GRAMMAR_THREADS, thread_name_prefix="pegainfer-grammar"
+            )
+        future = self._grammar_pool.submit(self.engine.check_request, message)
+        future.add_done_callback(lambda _: self._inbox.put(None))
+        self._compiling[message.request_id] = (message, future)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the engine the requests whose grammars have compiled (or fail them)."""
+        outputs: list[RequestOutput] = []
+        for request_id, (message, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            error = future.exception()
+            if isinstance(error, InvalidRequestError):
+                outputs.append(RequestOutput.failure(request_id, str(error)))
+            elif error is not None:
+                raise error
+            else:
+                outputs.extend(self._add(message))
+        return outputs

@@ -1,7 +1,8 @@
 """The message protocol between the frontend (HTTP, offline API) and the engine loop.
 
-Only these msgspec structs cross the boundary, so the loop can run in a thread of the same
-process or in a process of its own without either side changing.
+Only these msgspec structs cross the boundary, as msgpack bytes, so the loop runs in a thread
+of the same process (tests, `engine_loop.EngineLoop`) or in a process of its own (the server:
+`process.EngineProcess`) without either side changing.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ so the engine brings pending tokens home first under async scheduling.
 from __future__ import annotations
 
 import json
-from functools import cache, cached_property
+import threading
+from collections import OrderedDict
+from functools import cache, cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -43,32 +45,66 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
         return cls(kind="choice", spec=json.dumps(choices))
 
     def grammar(self) -> str:
-        """The llguidance grammar; raise `InvalidRequestError` where it cannot be one."""
-        import llguidance
+        """The llguidance grammar; raise `InvalidRequestError` where it cannot be one (a JSON
+        schema's own types and keywords are checked by `validate`, or when it compiles)."""
+        return _grammar(self.kind, self.spec)
 
-        try:
-            if self.kind == "json_schema":
-                # Compact JSON: a model cannot pad its output with endless whitespace.
-                return llguidance.LLMatcher.grammar_from_json_schema(
-                    self.spec, defaults={"whitespace_flexible": False}
-                )
-            grammar = llguidance.grammar_from(self.kind, self.spec)
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequestError(f"invalid {self.kind}: {exc}", self.kind) from exc
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise InvalidRequestError(f"invalid {self.kind}: {error}", self.kind)
-        return grammar
+    def validate(self) -> None:
+        """Check the whole grammar without the tokenizer, as vLLM's frontend does with
+        llguidance: up to tens of milliseconds for a large schema, remembered per spec."""
+        _validate(self.kind, self.spec)
+
+
+@lru_cache(maxsize=256)
+def _grammar(kind: Kind, spec: str) -> str:
+    import llguidance
+
+    try:
+        if kind == "json_schema":
+            # Compact JSON: a model cannot pad its output with endless whitespace.
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                spec, defaults={"whitespace_flexible": False}
+            )
+        grammar = llguidance.grammar_from(kind, spec)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"invalid {kind}: {exc}", kind) from exc
+    _check(kind, grammar)
+    return grammar
+
+
+@lru_cache(maxsize=256)
+def _validate(kind: Kind, spec: str) -> None:
+    grammar = _grammar(kind, spec)
+    if kind == "json_schema":  # the others were checked when converted
+        _check(kind, grammar)
+
+
+def _check(kind: Kind, grammar: str) -> None:
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequestError(f"invalid {kind}: {error}", kind)
 
 
 class Grammars:
     """The model's tokenizer as llguidance sees it (built on first use, for each set of EOS
-    tokens: a completed grammar allows exactly the request's EOS tokens), and matchers."""
+    tokens: a completed grammar allows exactly the request's EOS tokens), and matchers.
+
+    Compiling a grammar against the tokenizer takes tens of milliseconds for a large schema;
+    each compiled matcher is kept (the most recent `_COMPILED` of them) and requests get fresh
+    copies of it (microseconds), so a grammar compiled ahead of time on another thread, or
+    asked for again by a later request, costs the engine's step loop nothing. Safe to call
+    from several threads; llguidance compiles outside the GIL."""
 
     def __init__(self, tokenizer_dir: Path, vocab_size: int) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self._tokenizers: dict[tuple[int, ...], llguidance.LLTokenizer] = {}
+        self._compiled: OrderedDict[tuple[str, str, tuple[int, ...]], llguidance.LLMatcher] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
 
     @cached_property
     def _tokenizer_json(self) -> str:
@@ -78,15 +114,32 @@ class Grammars:
         import llguidance
 
         key = tuple(eos_token_ids)
-        if key not in self._tokenizers:
-            # No EOS at all (token-id clients may send none): llguidance's guess from the
-            # tokenizer stands in; the request then ends by length or its grammar's last token.
-            self._tokenizers[key] = llguidance.LLTokenizer(
-                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(key) or None
-            )
-        return self._tokenizers[key]
+        with self._lock:
+            if key not in self._tokenizers:
+                # No EOS at all (token-id clients may send none): llguidance's guess from the
+                # tokenizer stands in; the request then ends by length or its grammar's last
+                # token.
+                self._tokenizers[key] = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(key) or None
+                )
+            return self._tokenizers[key]
 
     def matcher(self, output: StructuredOutput, eos_token_ids: list[int]) -> llguidance.LLMatcher:
+        """A fresh matcher for `output`; raise `InvalidRequestError` if it does not compile."""
+        key = (output.kind, output.spec, tuple(eos_token_ids))
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+        if compiled is None:
+            compiled = self._compile(output, eos_token_ids)
+            with self._lock:
+                self._compiled[key] = compiled
+                if len(self._compiled) > _COMPILED:
+                    self._compiled.popitem(last=False)
+        return compiled.deep_copy()
+
+    def _compile(self, output: StructuredOutput, eos_token_ids: list[int]) -> llguidance.LLMatcher:
         import llguidance
 
         tokenizer = self.tokenizer(eos_token_ids)
@@ -94,6 +147,9 @@ class Grammars:
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {output.kind}: {matcher.get_error()}", output.kind)
         return matcher
+
+
+_COMPILED = 128  # compiled grammars kept for later requests
 
 
 @cache

@@ -1,0 +1,247 @@
+"""The engine loop in a process of its own, as vLLM's engine core runs.
+
+HTTP framing, detokenization and metrics would otherwise share a GIL with the step loop (under
+load the front end's Python took a third of the server's samples, and the step loop waited
+for it). `EngineProcess` spawns the engine process (spawn: CUDA cannot be forked; not a
+daemon, since it may spawn tensor-parallel workers of its own), which loads the model and
+answers with its resolved `EngineConfig` or the text of the error that stopped it. Then
+inbound messages go down one pipe and encoded `EngineOutputs` come back up another, the same
+bytes an `EngineLoop` thread exchanges, so the frontend drives either through
+`EngineConnection`.
+
+In the engine process the step loop runs in the main thread; a receiver thread moves
+messages from the pipe to the loop's inbox (the loop polls it while requests run and blocks
+on it when idle) and a writer thread writes outputs, so a step never waits on a full pipe
+(the server writes inbound messages from a thread too, so its event loop never waits either).
+The engine process ignores SIGINT (the server's Ctrl-C reaches the whole process group; the
+server decides how the engine stops) and ends at once if the server's process ends, however
+it ended. On the server's side a reader thread blocks in `recv_bytes` and hands each message
+to the sink; when the pipe closes without a shutdown, the engine process died (killed, a
+crash, a CUDA error) and every request in flight fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import threading
+from multiprocessing import connection as mp_connection
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import msgspec
+import torch
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.distributed.tensor_parallel import _exit_with_parent
+from pegainfer.core.engine.core import EngineConfig, EngineCore
+from pegainfer.core.engine.loop import EngineLoop, OutputSink, encode
+from pegainfer.core.engine.messages import EngineOutputs, Inbound, Shutdown
+from pegainfer.core.errors import PegainferError
+
+logger = logging.getLogger(__name__)
+
+# How long a shutdown waits for the engine process to stop after SIGTERM, before SIGKILL.
+_TERMINATE_S = 10.0
+
+
+class EngineStartError(PegainferError):
+    """The engine process could not load the model; the message is the reason it gave."""
+
+
+class _Started(msgspec.Struct, omit_defaults=True):
+    """The engine process's first message: the resolved config, or why it did not start."""
+
+    config: EngineConfig | None = None
+    error: str | None = None
+
+
+def _enc_hook(obj: object) -> object:
+    if isinstance(obj, (Path, torch.device, torch.dtype)):
+        return str(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(kind: type, obj: object) -> object:
+    if kind is Path:
+        return Path(obj)  # type: ignore[arg-type]
+    if kind is torch.device:
+        return torch.device(obj)  # type: ignore[arg-type]
+    if kind is torch.dtype:
+        return getattr(torch, str(obj).removeprefix("torch."))
+    raise NotImplementedError(f"cannot decode {kind}")
+
+
+_started_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_started_decoder = msgspec.msgpack.Decoder(_Started, dec_hook=_dec_hook)
+
+
+class EngineProcess:
+    """The engine process, seen from the server. Spawned at construction; `wait_ready`
+    returns the engine's config once the model has loaded (or raises `EngineStartError`).
+    The engine process logs at this process's level, in `log_format`."""
+
+    def __init__(self, args: EngineArgs, log_format: str = logging.BASIC_FORMAT) -> None:
+        context = mp.get_context("spawn")
+        inbox_reader, self._inbox = context.Pipe(duplex=False)
+        self._outbox, outbox_writer = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=_engine_main,
+            args=(
+                args,
+                inbox_reader,
+                outbox_writer,
+                logging.getLogger().getEffectiveLevel(),
+                log_format,
+            ),
+            name="pegainfer-engine",
+            daemon=False,  # it may spawn tensor-parallel workers, which a daemon cannot
+        )
+        self.process.start()
+        # Only the engine process holds these ends now: its death closes the pipes.
+        inbox_reader.close()
+        outbox_writer.close()
+        self._writer = _PipeWriter(self._inbox)
+        self._reader: threading.Thread | None = None
+        self._stopping = False
+        self._dead = False
+
+    def wait_ready(self) -> EngineConfig:
+        """Block until the engine has loaded; raise `EngineStartError` with its reason if it
+        could not, or if the process died (or was stopped by `shutdown`) while loading."""
+        mp_connection.wait([self._outbox, self.process.sentinel])
+        try:
+            started = _started_decoder.decode(self._outbox.recv_bytes())
+        except (EOFError, OSError):
+            self.process.join(_TERMINATE_S)
+            started = _Started(error=f"the engine process {_ended(self.process)} while loading")
+        if started.config is None:
+            self.shutdown()
+            self._dead = True
+            raise EngineStartError(started.error or "the engine did not start")
+        self.config = started.config
+        return started.config
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self.process.is_alive()
+
+    def start(self, sink: OutputSink) -> None:
+        """Deliver the engine's outputs to `sink` from a reader thread."""
+        self._reader = threading.Thread(
+            target=self._read, args=(sink,), name="pegainfer-engine-reader", daemon=True
+        )
+        self._reader.start()
+
+    def send(self, message: Inbound) -> None:
+        """Queue `message` for the engine; never blocks (a busy engine process may leave the
+        pipe full for a while, and the caller is the server's event loop)."""
+        self._writer.put(encode(message))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Ask the engine to stop, wait up to `timeout` s, then terminate (and kill) it."""
+        self._stopping = True
+        if self.process.is_alive():
+            self.send(Shutdown())
+            self.process.join(timeout)
+        if self.process.is_alive():
+            if timeout:
+                logger.warning("the engine process did not stop in %s s: terminating it", timeout)
+            self.process.terminate()
+            self.process.join(_TERMINATE_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._writer.close()  # the engine process is gone: a write still blocked fails
+        self._inbox.close()
+        if self._reader is not None:
+            self._reader.join()
+        self._outbox.close()
+
+    def _read(self, sink: OutputSink) -> None:
+        try:
+            while True:
+                sink(self._outbox.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        if self._stopping:
+            return
+        # Died without a shutdown: whatever it was doing is lost.
+        self.process.join(_TERMINATE_S)
+        self._dead = True
+        reason = f"the engine process {_ended(self.process)}"
+        logger.error("%s; failing every request in flight", reason)
+        sink(encode(EngineOutputs([], engine_failed=reason)))
+
+
+def _ended(process: mp.process.BaseProcess) -> str:
+    code = process.exitcode
+    if code is None:
+        return "closed its pipe"
+    if code < 0:
+        return f"was killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _engine_main(
+    args: EngineArgs, inbox: Connection, outbox: Connection, log_level: int, log_format: str
+) -> None:
+    """The engine process: load, report, then run the loop until Shutdown or the server ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=log_format)
+    threading.Thread(target=_exit_with_parent, daemon=True, name="pegainfer-parent").start()
+    try:
+        engine = EngineCore(args)
+    except Exception as exc:
+        if not isinstance(exc, PegainferError):
+            logger.exception("the engine failed to start")
+        outbox.send_bytes(_started_encoder.encode(_Started(error=str(exc) or repr(exc))))
+        raise SystemExit(1) from None
+    outbox.send_bytes(_started_encoder.encode(_Started(config=engine.config)))
+    loop = EngineLoop(engine)
+    threading.Thread(target=_receive, args=(inbox, loop), daemon=True,
+                     name="pegainfer-engine-receiver").start()  # fmt: skip
+    writer = _PipeWriter(outbox)
+    try:
+        loop.run(writer.put)
+    finally:
+        writer.close()
+    if loop.error is not None:
+        raise SystemExit(1)
+
+
+def _receive(inbox: Connection, loop: EngineLoop) -> None:
+    """Move inbound messages to the loop's inbox; the server closing the pipe stops it."""
+    try:
+        while True:
+            loop.send_encoded(inbox.recv_bytes())
+    except (EOFError, OSError):
+        loop.send(Shutdown())
+
+
+class _PipeWriter:
+    """Writes messages to a pipe from a thread of its own, in order, so the caller never
+    waits on a full pipe (the step loop on the server, the server's event loop on the engine
+    process). Once the other end is gone, messages are dropped."""
+
+    def __init__(self, pipe: Connection) -> None:
+        self._pipe = pipe
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pegainfer-writer")
+        self._thread.start()
+
+    def put(self, data: bytes) -> None:
+        self._queue.put(data)
+
+    def close(self) -> None:
+        """Write what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):  # the other end is gone
+            while (data := self._queue.get()) is not None:
+                self._pipe.send_bytes(data)
