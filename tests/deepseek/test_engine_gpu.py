@@ -19,9 +19,11 @@ from pegainfer.core.engine.core import EngineCore
 from pegainfer.server.bench.make_checkpoint import DEEPSEEK_SHAPES
 from tests.deepseek.hf_reference import SMALL
 from tests.qwen3.golden_gate import (
+    PIECEWISE_LENGTHS,
     Case,
     TeacherForcer,
     assert_graph_replay_equals_eager,
+    assert_pieces_match_eager,
     judge,
     judge_with_long_prompt,
     make_cases,
@@ -95,6 +97,13 @@ def test_the_engine_runs_flashinfer_mla_and_decode_graphs(small):
     assert isinstance(engine.model.attn.absorbed, FlashInferPagedLatentAttention)
     assert isinstance(engine.model.attn.expanded, FlashInferRaggedAttention)
     assert engine.runner.graphs is not None and 16 in engine.runner.graphs.buckets
+
+
+@pytest.mark.parametrize("lengths", PIECEWISE_LENGTHS)
+def test_piecewise_mixed_step_matches_eager(small, lengths):
+    """MLA (absorbed and, for the 1000-token chunk, expanded) and the fused MoE between the
+    pieces: mixed steps replayed piecewise match the eager step."""
+    assert_pieces_match_eager(small[1], lengths)
 
 
 def test_graph_replay_equals_eager_for_the_same_batch(small):

@@ -306,3 +306,34 @@ def assert_graph_replay_equals_eager(engine: EngineCore) -> None:
     assert torch.equal(replayed, eager)
     for table in tables:
         engine.block_manager.release(table)
+
+
+# Prefill chunk lengths beside three decodes: four token buckets, one- and many-chunk steps.
+PIECEWISE_LENGTHS = [(33, 1, 70), (300,), (16, 16), (1000, 24)]
+
+
+def assert_pieces_match_eager(engine: EngineCore, lengths: tuple[int, ...]) -> None:
+    """Decodes beside prefill chunks of `lengths`, replayed through the piecewise graphs
+    (attention eager between the pieces, rows padded to the token bucket), give the eager
+    step's logits at the gate's tolerances (the padded GEMMs may pick other kernels)."""
+    runner = engine.runner
+    assert runner.mixed_graphs is not None
+    bs, cuda = engine.config.block_size, torch.device("cuda")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
+    TeacherForcer(engine)._step(prompts, [0] * 3, tables, graphs=False)
+    fresh = [[(11 * i + k) % 1000 for k in range(n)] for i, n in enumerate(lengths)]
+    tables += [engine.block_manager.allocate(-(-len(p) // bs)) for p in fresh]
+    chunks = [[7], [8], [9], *fresh]
+    starts = [len(p) for p in prompts] + [0] * len(fresh)
+    batch = ForwardBatch.build(chunks, starts, tables, [True] * len(chunks), bs, cuda)
+    assert runner.mixed_graphs.can_run(batch) and not runner.graphs.can_run(batch)
+    with torch.inference_mode():
+        pieces = runner.mixed_graphs.run(batch).float().log_softmax(-1)
+        engine.model.prepare(batch)
+        eager = engine.model(batch, engine.kv_cache).float().log_softmax(-1)
+    gate = GateResult()
+    gate.add(pieces, eager)
+    gate.check("piecewise mixed step")
+    for table in tables:
+        engine.block_manager.release(table)

@@ -14,9 +14,11 @@ from pegainfer.core.attention.paged import TorchPagedAttention
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from tests.qwen3.golden_gate import (
+    PIECEWISE_LENGTHS,
     GateResult,
     TeacherForcer,
     assert_graph_replay_equals_eager,
+    assert_pieces_match_eager,
     judge,
     make_cases,
     reference_logprobs,
@@ -88,32 +90,11 @@ def test_mixed_step_matches_the_reference_attention(small):
         engine.block_manager.release(table)
 
 
-@pytest.mark.parametrize("lengths", [(33, 1, 70), (300,), (16, 16), (1000, 24)])
+@pytest.mark.parametrize("lengths", PIECEWISE_LENGTHS)
 def test_piecewise_mixed_step_matches_eager(small, lengths):
-    """Decodes beside prefill chunks replayed through the piecewise graphs (attention eager
-    between the pieces, rows padded to the token bucket) give the eager step's logits, at
-    the gate's tolerances (the padded GEMMs may pick other kernels), for several buckets."""
-    _, engine, _ = small
-    assert engine.runner.mixed_graphs is not None
-    bs, cuda = engine.config.block_size, torch.device("cuda")
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
-    tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
-    TeacherForcer(engine)._step(prompts, [0] * 3, tables, graphs=False)
-    fresh = [[(11 * i + k) % 1000 for k in range(n)] for i, n in enumerate(lengths)]
-    tables += [engine.block_manager.allocate(-(-len(p) // bs)) for p in fresh]
-    chunks = [[7], [8], [9], *fresh]
-    starts = [len(p) for p in prompts] + [0] * len(fresh)
-    batch = ForwardBatch.build(chunks, starts, tables, [True] * len(chunks), bs, cuda)
-    assert engine.runner.mixed_graphs.can_run(batch) and not engine.runner.graphs.can_run(batch)
-    with torch.inference_mode():
-        pieces = engine.runner.mixed_graphs.run(batch).float().log_softmax(-1)
-        engine.model.prepare(batch)
-        eager = engine.model(batch, engine.kv_cache).float().log_softmax(-1)
-    gate = GateResult()
-    gate.add(pieces, eager)
-    gate.check("piecewise mixed step")
-    for table in tables:
-        engine.block_manager.release(table)
+    """Decodes beside prefill chunks replayed through the piecewise graphs match the eager
+    step (several token buckets)."""
+    assert_pieces_match_eager(small[1], lengths)
 
 
 def test_small_golden_gate(small):

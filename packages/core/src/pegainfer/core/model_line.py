@@ -17,6 +17,7 @@ import torch
 from pegainfer.core.distributed.parallel import ParallelGroup
 
 if TYPE_CHECKING:
+    from pegainfer.core.attention.latent import MultiHeadLatentAttention
     from pegainfer.core.attention.paged import PagedAttention
     from pegainfer.core.engine.scheduler import Scheduler
     from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache, StateSpec
@@ -84,11 +85,11 @@ class Model(torch.nn.Module, ABC):
     """
 
     supports_cuda_graphs: bool = False
-    #: Whether steps with prefill tokens may replay piecewise graphs (`piecewise_graphs.py`):
-    #: `forward` is `logits(hidden_states(batch, kv_cache), batch)`, `hidden_states` is
-    #: capturable for any token count (nothing in it reads device values on the host or
-    #: depends on the batch's sequences) except through the attention calls of
-    #: `piecewise_attention()`, which become the cuts between the pieces.
+    #: Whether steps with prefill tokens may replay piecewise graphs
+    #: (`runner/piecewise_graphs.py`): `forward` is `logits(hidden_states(batch, kv_cache),
+    #: batch)`, and `hidden_states` is capturable for any token count (nothing in it reads
+    #: device values on the host or depends on the batch's sequences) except through the calls
+    #: of `piecewise_cuts()`, which run eagerly between the pieces.
     supports_piecewise_graphs: bool = False
 
     @property
@@ -138,8 +139,8 @@ class Model(torch.nn.Module, ABC):
         """The logits of `batch.logits_indices`' rows from `hidden_states`' output."""
         raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
 
-    def piecewise_attention(self) -> PagedAttention:
-        """The attention backend whose `run` calls cut the forward into pieces."""
+    def piecewise_cuts(self) -> list[PagedAttention | MultiHeadLatentAttention]:
+        """The backends whose calls cut the forward into pieces (each has a `split` hook)."""
         raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
 
 

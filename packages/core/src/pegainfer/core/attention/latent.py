@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pegainfer.core.attention.paged import PagedIndex, PlanStaging
+from pegainfer.core.attention.paged import PagedIndex, PlanStaging, Split
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops.latent_attention import paged_latent_attention, ragged_attention
@@ -325,6 +325,8 @@ class MultiHeadLatentAttention:
         self.dtype = dtype
         self.device = device
         self._split = _Split(None, None, None, None)
+        #: Set while piecewise graphs are captured (a cut, as `PagedAttention.split`).
+        self.split: Split | None = None
 
     @property
     def transient_bytes(self) -> int:
@@ -382,6 +384,31 @@ class MultiHeadLatentAttention:
     ) -> torch.Tensor:
         """q_nope [tokens, heads, nope], q_pe [tokens, heads, rope] (roped), one layer's
         caches (this step's latents already written) → out [tokens, heads, value]."""
+        if self.split is not None:
+            return self.split(self.attend, (q_nope, q_pe), (ckv_layer, kpe_layer, kv_b))
+        return self.attend(q_nope, q_pe, ckv_layer, kpe_layer, kv_b)
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv_layer: torch.Tensor,
+        kpe_layer: torch.Tensor,
+        kv_b: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`run`'s attention (into `out` if given)."""
+        result = self._attend(q_nope, q_pe, ckv_layer, kpe_layer, kv_b)
+        return result if out is None else out.copy_(result)
+
+    def _attend(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv_layer: torch.Tensor,
+        kpe_layer: torch.Tensor,
+        kv_b: torch.Tensor,
+    ) -> torch.Tensor:
         split, nope = self._split, self.shape.nope_dim
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
         if split.expanded_slots is None:

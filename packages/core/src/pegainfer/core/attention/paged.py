@@ -20,6 +20,9 @@ from pegainfer.core.ops.paged_attention import paged_attention
 from pegainfer.core.runner.forward_batch import ForwardBatch
 
 _WORKSPACE_BYTES = 256 << 20
+#: A piecewise-graph capture's hook: given a call, its per-token inputs and its other
+#: inputs, it ends the current piece and returns the call's output buffer.
+Split = Callable[[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], tuple], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -36,30 +39,33 @@ class GQAShape:
 class PagedAttention(ABC):
     """Causal attention of a step's queries over each sequence's paged K/V.
 
-    While piecewise graphs are captured (`piecewise_graphs.py`), `split` is set and `run`
-    calls it instead: the capture ends there and the call's output is a static buffer.
+    A cut of piecewise graphs (`runner/piecewise_graphs.py`): while they are captured, `split`
+    is set and `run` hands it the call instead of running it.
     """
 
     def __init__(self, shape: GQAShape) -> None:
         self.shape = shape
-        self.split: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.split: Split | None = None
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:
         """Prepare for `run` calls on `batch` (once per step, never inside a CUDA graph)."""
 
-    def run(
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        """q [tokens, heads, head_dim] → output of the same shape, for one layer's cache."""
+        if self.split is not None:
+            return self.split(self.attend, (q,), (kv_layer,))
+        return self.attend(q, kv_layer)
+
+    def attend(
         self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """q [tokens, heads, head_dim] → output of the same shape (into `out` if given), for
-        one layer's cache."""
-        if self.split is not None:
-            return self.split(q, kv_layer)
+        """`run`'s attention, into `out` if given."""
         return self._attend(q, kv_layer, torch.empty_like(q) if out is None else out)
 
     @abstractmethod
     def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`run`'s attention, into `out`."""
+        """The attention, into `out`."""
 
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
         """Plan a pure-decode batch padded to `bucket` rows for a captured graph."""

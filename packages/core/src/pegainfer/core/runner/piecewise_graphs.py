@@ -11,8 +11,9 @@ real rows with the step's own plan, then segment 1 (that layer's output projecti
 next layer up to its attention), and so on; the final norm and LM head run eagerly on the rows
 that want logits. This is vLLM's piecewise CUDA graph, without a graph compiler: a model opts in
 (`Model.supports_piecewise_graphs`) by splitting its forward into `hidden_states` and `logits`
-and routing every attention call through its `PagedAttention`, whose `run` becomes a split
-point while the pieces are captured.
+and routing every call that depends on the batch's sequences through its cuts
+(`Model.piecewise_cuts`: attention backends, whose `split` hook ends a piece while the pieces
+are captured and gets the call, its per-token inputs and its other inputs).
 
 Padding rows (token 0 at position 0) write their KV to the reserved dummy block; attention is
 planned and run for the real rows only, so the padding rows' attention output is whatever the
@@ -24,11 +25,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from pegainfer.core.attention.paged import PagedAttention
 from pegainfer.core.kv.kv_cache import KVCache
 from pegainfer.core.model_line import Model
 from pegainfer.core.runner.forward_batch import ForwardBatch
@@ -46,10 +47,14 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
 
 @dataclass
 class _Split:
-    """One attention call cut out of the captured pieces: its static query, its layer's cache."""
+    """One call cut out of the captured pieces: its per-token inputs (static tensors the
+    piece before writes, sliced to the real rows at replay), its other inputs, and the static
+    buffer its output goes to (which the piece after reads)."""
 
-    q: torch.Tensor
-    kv_layer: torch.Tensor
+    call: Callable[..., torch.Tensor]
+    rows: tuple[torch.Tensor, ...]
+    fixed: tuple
+    out: torch.Tensor
 
 
 @dataclass
@@ -81,13 +86,14 @@ class MixedGraphs:
         self.block_size = block_size
         self.device = device
         self.pool = pool
-        self.attention: PagedAttention = model.piecewise_attention()
+        self.cuts = model.piecewise_cuts()
         largest = max(buckets)
         # Static inputs: [input_ids, positions, slot_mapping] per row; padding rows keep these.
         self._pad = torch.tensor([0, 0, dummy_block * block_size], device=device)
         self._inputs = self._pad[:, None].repeat(1, largest).contiguous()
-        # One attention output buffer for every split of every bucket: pieces run in order.
-        self._out: torch.Tensor | None = None
+        # One output buffer per output shape, shared by every cut of every bucket (the pieces
+        # run in order), sized for the largest bucket.
+        self._outputs: dict[tuple, torch.Tensor] = {}
         self._pieces: dict[int, _Pieces] = {}
 
     @property
@@ -127,21 +133,29 @@ class MixedGraphs:
         graphs = [torch.cuda.CUDAGraph()]
         splits: list[_Split] = []
 
-        def split(q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        def split(call: Callable[..., torch.Tensor], rows: tuple, fixed: tuple) -> torch.Tensor:
             graphs[-1].capture_end()
-            if self._out is None or self._out.shape[0] < q.shape[0]:
-                self._out = torch.zeros_like(q)
-            splits.append(_Split(q, kv_layer))
+            # Run once outside the graphs (the warm-up's plan is in force) for the output's
+            # shape; its buffer starts zeroed, so padding rows only ever hold finite values.
+            shape = call(*rows, *fixed).shape
+            key = (tuple(shape[1:]), rows[0].dtype)
+            if key not in self._outputs:
+                size = (self.max_tokens, *shape[1:])
+                self._outputs[key] = torch.zeros(size, dtype=rows[0].dtype, device=self.device)
+            out = self._outputs[key][: shape[0]]
+            splits.append(_Split(call, rows, fixed, self._outputs[key]))
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=pool)
-            return self._out[: q.shape[0]]
+            return out
 
-        self.attention.split = split
+        for cut in self.cuts:
+            cut.split = split
         graphs[0].capture_begin(pool=pool)
         try:
             states = self.model.hidden_states(batch, self.kv_cache)
         finally:
-            self.attention.split = None
+            for cut in self.cuts:
+                cut.split = None
         graphs[-1].capture_end()
         return _Pieces(graphs, splits, states)
 
@@ -158,7 +172,7 @@ class MixedGraphs:
         for graph, split in zip(pieces.graphs, [*pieces.splits, None], strict=True):
             graph.replay()
             if split is not None:
-                self.attention.run(split.q[:n], split.kv_layer, out=self._out[:n])
+                split.call(*(t[:n] for t in split.rows), *split.fixed, out=split.out[:n])
         states = tuple(state[:n] for state in pieces.states)
         return self.model.logits(states, batch)
 

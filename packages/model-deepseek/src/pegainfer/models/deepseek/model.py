@@ -266,6 +266,7 @@ class DeepseekV2ForCausalLM(Model):
         )  # fmt: skip
         # Decode graphs need FlashInfer's MLA (the reference attention plans on the host).
         self.supports_cuda_graphs = self.latent_shape.flashinfer_supported
+        self.supports_piecewise_graphs = self.supports_cuda_graphs
         self.attn: MultiHeadLatentAttention | None = None
         self.ops: LayerOps | None = None
 
@@ -364,11 +365,16 @@ class DeepseekV2ForCausalLM(Model):
         return WeightTarget(f"{module}.gate_up_proj", offset, inter, rows=split)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        return self.logits(self.hidden_states(batch, kv_cache), batch)
+
+    def hidden_states(
+        self, batch: ForwardBatch, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output and the residual stream, every row."""
         rope, cfg, elementwise = self.rope, self.cfg, self.ops
         assert rope is not None and elementwise is not None, "init_runtime() must run first"
         ckv, kpe, eps = kv_cache["ckv"], kv_cache["kpe"], cfg.rms_norm_eps
-        counts = batch.parallel_counts(self.data_parallel.world_size)
-        capacity = max(counts.tokens)
+        capacity = max(batch.parallel_counts(self.data_parallel.world_size).tokens)
         hidden = parallel.vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.group)
         residual = None
         for index, layer in enumerate(self.layers):
@@ -381,10 +387,21 @@ class DeepseekV2ForCausalLM(Model):
                 hidden = layer.mlp(x, elementwise, capacity)
             else:
                 hidden = layer.mlp(x, elementwise)
+        return hidden, residual
+
+    def logits(
+        self, states: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden, residual = states
         rows = batch.logits_indices
-        x, _ = elementwise.add_rms_norm(hidden[rows], residual[rows], self.norm, eps)
+        counts = batch.parallel_counts(self.data_parallel.world_size)
+        x, _ = self.ops.add_rms_norm(hidden[rows], residual[rows], self.norm, self.cfg.rms_norm_eps)
         x = self.data_parallel.gather_rows(x, counts.rows)  # every rank's rows, in rank order
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.data_parallel.rank > 0:  # rank 0 samples every rank's rows
             return x.new_empty(0, self.vocab_size, dtype=torch.float32)
         return parallel.vocab_parallel_logits(x, head, self.group).float()
+
+    def piecewise_cuts(self) -> list[MultiHeadLatentAttention]:
+        assert self.attn is not None, "init_runtime() must run before the first step"
+        return [self.attn]

@@ -211,6 +211,6 @@ class Qwen3ForCausalLM(Model):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return parallel.vocab_parallel_logits(x, head, self.group).float()
 
-    def piecewise_attention(self) -> PagedAttention:
+    def piecewise_cuts(self) -> list[PagedAttention]:
         assert self.attn is not None, "init_runtime() must run before the first step"
-        return self.attn
+        return [self.attn]
