@@ -224,8 +224,9 @@ def _receive(inbox: Connection, loop: EngineLoop) -> None:
 
 class _PipeWriter:
     """Writes messages to a pipe from a thread of its own, in order, so the caller never
-    waits on a full pipe (the step loop on the server, the server's event loop on the engine
-    process). Once the other end is gone, messages are dropped."""
+    waits on a full pipe (the step loop, writing outputs to the server; the server's event
+    loop, writing requests to the engine process). Once the other end is gone, messages are
+    dropped."""
 
     def __init__(self, pipe: Connection) -> None:
         self._pipe = pipe
