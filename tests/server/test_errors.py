@@ -381,3 +381,39 @@ def test_huge_top_k_does_not_kill_the_engine(own_server):
         assert_error(response, 400, param="top_k")
     assert httpx.get(own_server.url + "/health", timeout=30).status_code == 200
     assert_serving(own_server.url)
+
+
+# Every integer field a request may carry, and an endpoint that reads it.
+_COMPLETION_INTS = ("max_tokens", "min_tokens", "top_k", "seed", "n", "best_of",
+                    "prompt_logprobs", "logprobs", "top_logprobs", "stop_token_ids")  # fmt: skip
+_CHAT_INTS = ("max_completion_tokens", "max_tokens", "min_tokens", "n")
+INTEGER_FIELDS = [(COMPLETIONS, n) for n in _COMPLETION_INTS] + [(CHAT, n) for n in _CHAT_INTS]
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**64)], ids=["2**64", "-2**64"])
+@pytest.mark.parametrize(
+    ("path", "name"), INTEGER_FIELDS, ids=[f"{p[4:]}-{n}" for p, n in INTEGER_FIELDS]
+)
+def test_integer_fields_out_of_range_are_400(server, path, name, value):
+    body = completion() if path == COMPLETIONS else chat()
+    body[name] = [value] if name == "stop_token_ids" else value
+    if name == "min_tokens":
+        body["max_tokens"] = None  # nothing else bounds it then
+    assert_error(post(server, path, body), 400, param=name)
+
+
+def test_a_burst_of_huge_min_tokens_leaves_the_server_serving(tiny_model, tmp_path):
+    """Such a request once got a 500 and kept its waiting slot: a few filled the queue for good."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    running = start_server(tiny_model, tmp_path / "server.log", "--max-waiting-requests", "2",
+                           env=env)  # fmt: skip
+    try:
+        for _ in range(3):
+            body = {"prompt": "x", "min_tokens": 2**64, "max_tokens": None}
+            assert_error(post(running, COMPLETIONS, body), 400, param="min_tokens")
+            body = {"messages": MESSAGES, "min_tokens": 2**64}
+            assert_error(post(running, CHAT, body), 400, param="min_tokens")
+        assert_serving(running.url)
+        assert "Traceback" not in running.logs()
+    finally:
+        stop_server(running)

@@ -7,9 +7,14 @@ than their no-op value. Unknown fields are accepted (and logged once by the app)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+
+# Every integer a request carries fits in a signed 64-bit integer, as the engine's message
+# boundary needs; the decoder refuses anything larger with a 400 naming the field, before any
+# work or reservation. The fields' own ranges are checked where they are used.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 # ---------------------------------------------------------------------------- requests
 
@@ -27,22 +32,22 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     # Informational only.
     user: str | None = None
     metadata: dict[str, Any] | None = None
     # Choices, penalties, logprobs and output constraints.
-    n: int = 1
-    best_of: int | None = None
+    n: Int64 = 1
+    best_of: Int64 | None = None
     logprobs: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -54,7 +59,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int64 | None = None
     # Separates this request's prefix-cache entries from other tenants'.
     cache_salt: str | None = None
 
@@ -92,7 +97,7 @@ class CompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     # A string, a list of strings, token ids, or a list of token-id lists (checked on use:
     # msgspec cannot express a union of list types).
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
     suffix: str | None = None
 
@@ -116,8 +121,8 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -138,7 +143,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    tokens: list[int]
+    tokens: list[Int64]
     model: str | None = None
 
 
