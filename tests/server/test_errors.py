@@ -417,3 +417,29 @@ def test_a_burst_of_huge_min_tokens_leaves_the_server_serving(tiny_model, tmp_pa
         assert "Traceback" not in running.logs()
     finally:
         stop_server(running)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [1_000, 20_000])
+@pytest.mark.parametrize(
+    ("path", "template"),
+    [
+        (COMPLETIONS, '{"prompt": "x", "max_tokens": 1, "metadata": {"a": %s}}'),
+        (COMPLETIONS, '{"prompt": "x", "max_tokens": 1, "not_a_field": %s}'),
+        (COMPLETIONS, '{"prompt": %s, "max_tokens": 1}'),
+        (COMPLETIONS, '{"prompt": "x", "max_tokens": 1, "guided_json": {"items": %s}}'),
+        (
+            CHAT,
+            '{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": %s}}',
+        ),
+        (CHAT, '{"messages": [{"role": "user", "content": "x"}], "tools": %s}'),
+    ],
+    ids=["metadata", "unknown-field", "prompt", "guided-json", "chat-template-kwargs", "tools"],
+)
+def test_deeply_nested_json_is_a_400(server, path, template, depth):
+    response = post(server, path, (template % _nested(depth)).encode())
+    assert_error(response, 400, contains="nested too deeply")
+    assert "Traceback" not in server.logs()

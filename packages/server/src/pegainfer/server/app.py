@@ -83,12 +83,16 @@ def build_app(state: ServerState) -> Starlette:
             raw = msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise _too_deep() from None
         if not isinstance(raw, dict):
             raise bad_request("the body must be a JSON object")
         try:
             parsed = msgspec.convert(raw, kind)
         except msgspec.ValidationError as exc:
             raise bad_request(str(exc), _path_param(str(exc))) from exc
+        except RecursionError:
+            raise _too_deep() from None
         unknown = set(raw) - set(kind.__struct_fields__) - _INFORMATIONAL  # type: ignore[attr-defined]
         for name in sorted(unknown - state.logged_unknown_fields):
             logger.warning("ignoring unknown request field %r (logged once)", name)
@@ -211,6 +215,11 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
 
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _too_deep() -> APIError:
+    # msgspec stops at Python's recursion limit, a little under 1,000 levels here.
+    return bad_request("the body's JSON is nested too deeply")
 
 
 def _path_param(message: str) -> str | None:
