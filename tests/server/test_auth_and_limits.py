@@ -227,6 +227,23 @@ def test_waiting_limit_answers_503_to_streams_too(guarded):
             assert sum(len(p["choices"]) for p in payloads) == 4
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+        ("/v1/completions", {"prompt": [PROMPT, PROMPT], "stream": True}, "prompt"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 2, "stream": True}, "n"),
+    ],
+    ids=["completions-n", "completions-prompts-stream", "chat-n-stream"],
+)
+def test_a_request_larger_than_the_waiting_limit_is_400_not_503(guarded, path, body, param):
+    """It can never be admitted, so a 503 with Retry-After would have the client retry forever."""
+    response = httpx.post(guarded.url + path, json=body | {"max_tokens": 2}, headers=AUTH,
+                          timeout=30)  # fmt: skip
+    error = assert_error(response, 400, param=param, contains="--max-waiting-requests")
+    assert "retry-after" not in response.headers, error
+
+
 # ------------------------------------------------------------------------ listen backlog
 
 

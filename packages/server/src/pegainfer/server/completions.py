@@ -66,6 +66,11 @@ def _token_ids(value: object) -> list[int] | None:
         return None
 
 
+def _multiplier(body: CompletionRequest) -> str:
+    """The field that made a request several sequences."""
+    return "n" if body.n > 1 else "prompt"
+
+
 class Completions:
     def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
         self.client = client
@@ -92,7 +97,8 @@ class Completions:
 
     async def create(self, body: CompletionRequest) -> CompletionResponse:
         rid, requests = self.prepare(body)
-        streams = await collect(self.client, requests, reserve(self.client, len(requests)))
+        reservation = reserve(self.client, len(requests), _multiplier(body))
+        streams = await collect(self.client, requests, reservation)
         choices = []
         for i, ((request, prompt), stream) in enumerate(zip(requests, streams, strict=True)):
             text, logprobs = self._text_and_logprobs(
@@ -105,7 +111,7 @@ class Completions:
 
     def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
         rid, requests = self.prepare(body)
-        reservation = reserve(self.client, len(requests))
+        reservation = reserve(self.client, len(requests), _multiplier(body))
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         offsets = [0] * len(requests)  # text each choice has streamed, for text_offset

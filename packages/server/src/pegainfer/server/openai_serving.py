@@ -194,8 +194,18 @@ def translate_engine_errors(exc: ServerBusyError | EngineFailedError) -> APIErro
     return APIError(500, str(exc), code="engine_error")
 
 
-def reserve(client: AsyncEngineClient, num_requests: int) -> Reservation:
-    """Reserve waiting slots before answering, so a refusal is a 503, never a broken stream."""
+def reserve(client: AsyncEngineClient, num_requests: int, param: str = "n") -> Reservation:
+    """Reserve waiting slots before answering, so a refusal is a 503, never a broken stream.
+
+    A request needing more slots than the server has can never be admitted: a 400 naming
+    `param` (what multiplied the requests), as retrying after a 503 would never help.
+    """
+    if num_requests > client.max_waiting:
+        raise bad_request(
+            f"this request makes {num_requests} sequences (prompts times n), but at most "
+            f"{client.max_waiting} may wait at once on this server (--max-waiting-requests)",
+            param,
+        )
     try:
         return client.reserve(num_requests)
     except (ServerBusyError, EngineFailedError) as exc:
