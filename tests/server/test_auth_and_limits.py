@@ -106,6 +106,15 @@ def test_environment_key_guards_v1_only(env_keyed):
     check_key_required(env_keyed.url, "from-the-environment")
 
 
+@pytest.mark.parametrize("order", ["key-last", "key-first"])
+def test_two_authorization_headers_are_refused(guarded, order):
+    headers = [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")]
+    if order == "key-first":
+        headers.reverse()
+    response = httpx.get(guarded.url + "/v1/models", headers=headers, timeout=30)
+    assert_error(response, 401, code="invalid_api_key", contains="one Authorization header")
+
+
 def test_sdk_with_wrong_and_right_key(guarded):
     wrong = OpenAI(base_url=guarded.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as error:

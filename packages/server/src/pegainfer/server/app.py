@@ -260,9 +260,14 @@ class _AuthMiddleware:
             and scope["type"] == "http"
             and scope["path"].startswith("/v1/")
         ):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+            given = [value for name, value in scope["headers"] if name == b"authorization"]
+            # Several Authorization headers are ambiguous (proxies disagree on which one
+            # counts): refused, whichever of them holds the key.
+            if len(given) != 1 or not secrets.compare_digest(given[0], self.expected):
+                message = "invalid or missing API key"
+                if len(given) > 1:
+                    message = f"send one Authorization header, not {len(given)}"
+                error = APIError(401, message, code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
