@@ -443,3 +443,10 @@ def test_deeply_nested_json_is_a_400(server, path, template, depth):
     response = post(server, path, (template % _nested(depth)).encode())
     assert_error(response, 400, contains="nested too deeply")
     assert "Traceback" not in server.logs()
+
+
+def test_an_unknown_model_name_is_not_echoed_whole(server):
+    response = post(server, COMPLETIONS, completion(model="m" * 1_000_000))
+    error = assert_error(response, 404, param="model", code="model_not_found")
+    assert len(response.content) < 2_000, error["message"][:200]
+    assert "1000000 characters" in error["message"]

@@ -101,7 +101,8 @@ def build_app(state: ServerState) -> Starlette:
         if model is not None and model not in state.model_names:
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {state.model_names}",
+                f"the model {_clip(model)!r} does not exist; this server serves "
+                f"{state.model_names}",
                 param="model",
                 code="model_not_found",
             )
@@ -215,6 +216,11 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
 
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+
+
+def _clip(text: str, limit: int = 128) -> str:
+    """A client's string as quoted back in an error: never all of a huge one."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _too_deep() -> APIError:
