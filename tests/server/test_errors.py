@@ -202,12 +202,37 @@ BAD_REQUESTS = {
         "one output constraint",
     ),
     "bad-regex": (COMPLETIONS, completion(guided_regex="[a-"), 400, "guided_regex", "regex"),
+    # Found when compiled against the tokenizer, yet named by the field the client sent.
     "bad-json-schema": (
         COMPLETIONS,
         completion(structured_outputs={"json": {"type": "nonsense"}}),
         400,
-        "json_schema",  # found when compiled against the tokenizer, which knows no field names
+        "structured_outputs.json",
         "nonsense",
+    ),
+    "bad-guided-json": (
+        CHAT,
+        chat(guided_json={"type": "nonsense"}),
+        400,
+        "guided_json",
+        "nonsense",
+    ),
+    "bad-response-format-schema": (
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}),
+        400,
+        "response_format",
+        None,
+    ),
+    "bad-tool-parameters": (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}],
+            tool_choice="required",
+        ),
+        400,
+        "tool_choice",
+        None,
     ),
     "unknown-structured-output": (
         COMPLETIONS,

@@ -140,7 +140,7 @@ class Chat:
             raise bad_request(str(exc), exc.param or "messages") from exc
         rid = request_id("chatcmpl")
         requests = [
-            (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body.cache_salt), None)
+            (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body), None)
             for i, p in enumerate(choice_params(params, body.n))
         ]
         tool_calls = self._tool_call_parser(body, forced)

@@ -90,7 +90,7 @@ class Completions:
         pairs = [(text, ids, params) for text, ids in _prompts(self.client, body.prompt)
                  for params in copies]  # fmt: skip
         requests = [
-            (engine_request(self.client, f"{rid}-{i}", ids, params, body.cache_salt), text)
+            (engine_request(self.client, f"{rid}-{i}", ids, params, body), text)
             for i, (text, ids, params) in enumerate(pairs)
         ]
         return rid, requests

@@ -23,7 +23,7 @@ from pegainfer.server.engine_client import (
 )
 from pegainfer.server.errors import APIError, bad_request
 from pegainfer.server.protocol import PromptTokensDetails, Usage, unsupported_fields
-from pegainfer.server.structured import requested_output
+from pegainfer.server.structured import constraint_field, requested_output
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
 
@@ -113,14 +113,17 @@ def engine_request(
     rid: str,
     prompt_token_ids: list[int],
     params: SamplingParams,
-    cache_salt: str | None,
+    body: Any,
 ) -> EngineRequest:
     request = client.frontend.make_request(rid, prompt_token_ids, params)
-    request.cache_salt = cache_salt
+    request.cache_salt = body.cache_salt
     try:
         client.engine.check_request(request)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), exc.param) from exc
+        param = exc.param
+        if params.structured is not None and param == params.structured.kind:
+            param = constraint_field(body)  # the grammar's kind is no field the client sent
+        raise bad_request(str(exc), param) from exc
     return request
 
 

@@ -82,6 +82,24 @@ def _structured_outputs(value: dict[str, Any]) -> list[tuple[str, StructuredOutp
 def requested_output(request: Any) -> tuple[str, StructuredOutput] | None:
     """The constraint a request asks for and the field it came from; a 400 if it asks for
     several, or for one that does not compile."""
+    found = _constraints(request)
+    if len(found) > 1:
+        names = ", ".join(field for field, _ in found)
+        raise bad_request(f"ask for one output constraint at a time, not {names}", found[1][0])
+    if not found:
+        return None
+    check(*found[0])
+    return found[0]
+
+
+def constraint_field(request: Any) -> str:
+    """The field a request's constraint came from (tool_choice when it asked for none), for
+    errors found later, when the grammar is compiled against the tokenizer."""
+    found = _constraints(request)
+    return found[0][0] if found else "tool_choice"
+
+
+def _constraints(request: Any) -> list[tuple[str, StructuredOutput]]:
     found: list[tuple[str, StructuredOutput]] = []
     if request.response_format is not None:
         output = _response_format(request.response_format)
@@ -95,13 +113,7 @@ def requested_output(request: Any) -> tuple[str, StructuredOutput] | None:
         value = getattr(request, field)
         if value is not None:
             found.append((field, make(value, field)))
-    if len(found) > 1:
-        names = ", ".join(field for field, _ in found)
-        raise bad_request(f"ask for one output constraint at a time, not {names}", found[1][0])
-    if not found:
-        return None
-    check(*found[0])
-    return found[0]
+    return found
 
 
 def check(field: str, output: StructuredOutput) -> None:
