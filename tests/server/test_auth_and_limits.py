@@ -71,6 +71,7 @@ V1_CALLS = [
     ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
     ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True}),
+    ("POST", "/invocations", {"prompt": PROMPT, "max_tokens": 2}),  # generates, so guarded too
 ]
 
 

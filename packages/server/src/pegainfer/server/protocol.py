@@ -140,6 +140,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -268,6 +270,7 @@ class TokenizeResponse(msgspec.Struct):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # with return_token_strs: each token's vocabulary entry
 
 
 class DetokenizeResponse(msgspec.Struct):
