@@ -136,3 +136,10 @@ def test_tokenize_renders_tools_and_returns_token_strings(server):
     assert "".join(payload["token_strs"]).replace("Ġ", " ") == "Hello world"
     plain_payload = httpx.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=30).json()
     assert plain_payload["token_strs"] is None
+
+
+def test_a_developer_message_is_rendered_as_system(server):
+    """Qwen3's template has no developer role: it was silently left out of the prompt."""
+    as_system = tokenize(server, messages=MESSAGES)
+    developer = [{"role": "developer", "content": MESSAGES[0]["content"]}, *MESSAGES[1:]]
+    assert tokenize(server, messages=developer) == as_system

@@ -54,7 +54,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if any(isinstance(part, ImagePart) for part in content):
                 raise bad_request("this model accepts text only, not images", "messages")
             content = "".join(part.text for part in content)  # type: ignore[union-attr]
-        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        # OpenAI's newer name for system instructions; chat templates know only "system".
+        role = "system" if message.role == "developer" else message.role
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
         if message.tool_calls:
             if message.role != "assistant":
                 raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
