@@ -73,10 +73,22 @@ class LogprobsFormatter:
         for entry in entries:
             logprobs.tokens.append(self.text(entry.token_id))
             logprobs.token_logprobs.append(entry.logprob)
-            logprobs.top_logprobs.append({self.text(t): lp for t, lp in entry.top})
+            logprobs.top_logprobs.append(self.top_map(entry))
             logprobs.text_offset.append(offset)
             offset += len(logprobs.tokens[-1])
         return logprobs
+
+    def top_map(self, entry: TokenLogprob) -> dict[str, float]:
+        """Completions' `{token: logprob}` of one position: the chosen token and then the most
+        likely ones (OpenAI: up to logprobs + 1 entries). Tokens that decode alike (byte
+        pieces of one character) would share a key; a later one is keyed `token_id:N` instead
+        of being lost."""
+        top = {self.text(entry.token_id): entry.logprob}
+        for token_id, logprob in entry.top:
+            if token_id != entry.token_id:
+                key = self.text(token_id)
+                top[f"token_id:{token_id}" if key in top else key] = logprob
+        return top
 
     def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         def top(token_id: int, logprob: float) -> TopLogprob:
