@@ -9,11 +9,13 @@ import os
 import shutil
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from pegainfer.models.qwen3.tiny import write_tiny_qwen3
 from tests.server.conftest import start_server, stop_server
+from tests.server.helpers import sse_payloads
 
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 SCRIPTS = [
@@ -111,3 +113,31 @@ def test_three_seeded_choices_differ_and_repeat(scripted):
     again = [c.message.content for c in client.chat.completions.create(**kwargs).choices]
     assert first == again and len(set(first)) == 3
     assert all(text.startswith("Yours: ") and text[7:15].isdigit() for text in first)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_comes_under_both_names_and_is_counted(scripted, stream):
+    """vLLM's current `reasoning` beside `reasoning_content`, and usage's reasoning_tokens."""
+    server, _ = scripted
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Plan my day"}],
+            "max_tokens": 100, "stream": stream}  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    response = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = sse_payloads(response.content)
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+        assert reasoning == "".join(d.get("reasoning_content") or "" for d in deltas)
+        usage = chunks[-1]["usage"]
+    else:
+        payload = response.json()
+        message = payload["choices"][0]["message"]
+        reasoning = message["reasoning"]
+        assert reasoning == message["reasoning_content"]
+        usage = payload["usage"]
+    assert reasoning.strip() == "The user wants a plan."
+    counted = httpx.post(server.url + "/tokenize", json={"prompt": reasoning}, timeout=30)
+    reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert reasoning_tokens == counted.json()["count"] < usage["completion_tokens"]

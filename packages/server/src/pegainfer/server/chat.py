@@ -179,25 +179,37 @@ class Chat:
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
         rid, requests, answer_parser = self.prepare(body)
         streams = await collect(self.client, requests, reserve(self.client, len(requests)))
-        choices = []
+        choices, reasonings = [], []
         for index, stream in enumerate(streams):
             reasoning, content, calls = answer_parser().feed(stream.text, last=True)
+            reasonings.append(reasoning)
             message = AssistantMessage(
                 "assistant",
                 content if content or not calls else None,
-                reasoning or None,
-                [call.as_openai() for call in calls] or None,
+                reasoning=reasoning or None,
+                reasoning_content=reasoning or None,
+                tool_calls=[call.as_openai() for call in calls] or None,
             )
             reason = stream.finish_reason
             if calls and reason == "stop":
                 reason = "tool_calls"
             logprobs = self.logprobs.chat(stream.logprobs) if body.logprobs else None
             choices.append(ChatChoice(index, message, logprobs, reason, stream.stop_reason))
-        return ChatCompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
+        counted = usage(streams, body.n, self._reasoning_tokens(reasonings))
+        return ChatCompletionResponse(rid, now(), self.model_name, choices, counted)
+
+    def _reasoning_tokens(self, reasonings: list[str]) -> int | None:
+        """`completion_tokens_details.reasoning_tokens`: the thinking's text as the tokenizer
+        encodes it (the tags are not counted); None without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return None
+        encode = self.client.frontend.tokenizer.encode
+        return sum(len(encode(text, add_special_tokens=False)) for text in reasonings if text)
 
     def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
         rid, requests, answer_parser = self.prepare(body)
         parsers = [answer_parser() for _ in requests]
+        reasonings = [""] * len(requests)
         num_calls = [0] * len(requests)
         reservation = reserve(self.client, len(requests))
         created = now()
@@ -213,6 +225,7 @@ class Chat:
             out = [chunk(index, DeltaMessage(role="assistant", content=""))] if first else []
             last = delta.finish_reason is not None
             reasoning, content, calls = parsers[index].feed(delta.text, last)
+            reasonings[index] += reasoning
             tool_calls = [call.as_openai(num_calls[index] + i) for i, call in enumerate(calls)]
             num_calls[index] += len(calls)
             reason = delta.finish_reason
@@ -220,7 +233,8 @@ class Chat:
                 reason = "tool_calls"
             # A delta whose text is all held back (a tag in pieces) still carries content "",
             # so that a final chunk keeps its finish_reason.
-            message = DeltaMessage(content=content, reasoning_content=reasoning or None,
+            message = DeltaMessage(content=content, reasoning=reasoning or None,
+                                   reasoning_content=reasoning or None,
                                    tool_calls=tool_calls or None)  # fmt: skip
             logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
             out.append(chunk(index, message, reason, delta.stop_reason, logprobs))
@@ -229,6 +243,7 @@ class Chat:
         def final(streams: list[RequestStream]) -> ChatCompletionChunk | None:
             if not include_usage:
                 return None
-            return ChatCompletionChunk(rid, created, self.model_name, [], usage(streams, body.n))
+            counted = usage(streams, body.n, self._reasoning_tokens(reasonings))
+            return ChatCompletionChunk(rid, created, self.model_name, [], counted)
 
         return sse_stream(self.client, requests, reservation, chunks, final)

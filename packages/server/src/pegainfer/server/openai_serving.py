@@ -22,7 +22,12 @@ from pegainfer.server.engine_client import (
     ServerBusyError,
 )
 from pegainfer.server.errors import APIError, bad_request
-from pegainfer.server.protocol import PromptTokensDetails, Usage, unsupported_fields
+from pegainfer.server.protocol import (
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    Usage,
+    unsupported_fields,
+)
 from pegainfer.server.structured import constraint_field, requested_output
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
@@ -127,13 +132,16 @@ def engine_request(
     return request
 
 
-def usage(streams: Sequence[RequestStream], n: int = 1) -> Usage:
+def usage(
+    streams: Sequence[RequestStream], n: int = 1, reasoning_tokens: int | None = None
+) -> Usage:
     """Token counts of a response; with `n` choices per prompt (streams grouped by prompt),
     each prompt counts once, as OpenAI counts it."""
     prompt = sum(len(s.prompt_token_ids) for s in streams[::n])
     completion = sum(len(s.token_ids) for s in streams)
     cached = sum(s.num_cached_tokens for s in streams[::n])
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached), details)
 
 
 MAX_N = 64

@@ -156,11 +156,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
 
 
-class Usage(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -207,7 +212,9 @@ class CompletionResponse(msgspec.Struct):
 class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"]
     content: str | None  # null when the answer is only tool calls
-    reasoning_content: str | None = None  # with --reasoning-parser
+    # With --reasoning-parser: the thinking, under vLLM's current name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # with --tool-call-parser
 
 
@@ -231,6 +238,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
