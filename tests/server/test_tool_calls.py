@@ -11,6 +11,7 @@ import pytest
 
 from pegainfer.server.chat import AnswerParser
 from pegainfer.server.reasoning import ThinkSplitter
+from pegainfer.server.structured import forced_tool_calls
 from pegainfer.server.tool_calls import TOOL_CALL_PARSERS
 from tests.server.conftest import start_server, stop_server
 
@@ -149,3 +150,51 @@ def test_forced_tool_choice_is_decoded_into_calls(tool_server, choice, stream):
             assert call.function.name == choice or choice == "required"
             assert call.function.name in {"weather", "tides"} and call.id.startswith("call_")
             check_arguments(call.function.arguments)
+
+
+def _nested_tool(name: str, field: str, model: dict) -> dict:
+    """A tool as pydantic writes a nested model: the model in $defs, used through $ref."""
+    parameters = {
+        "type": "object",
+        "properties": {field: {"$ref": "#/$defs/Place"}},
+        "required": [field],
+        "additionalProperties": False,
+        "$defs": {"Place": model},
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+# Two tools whose nested models share a name but not a shape.
+NESTED = [
+    _nested_tool("ship", "to", {"type": "object", "properties": {"city": {"enum": ["Oslo"]}},
+                                "required": ["city"], "additionalProperties": False}),
+    _nested_tool("moor", "at", {"type": "object", "properties": {"port": {"enum": [1, 2]}},
+                                "required": ["port"], "additionalProperties": False}),
+]  # fmt: skip
+
+
+def test_required_tool_choice_keeps_each_tools_definitions(tool_server):
+    """$defs and $ref in tool parameters (every nested pydantic model) once gave a 400:
+    wrapped into one schema, the pointers no longer resolved."""
+    client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
+    allowed = {
+        "ship": [{"to": {"city": "Oslo"}}],
+        "moor": [{"at": {"port": 1}}, {"at": {"port": 2}}],
+    }
+    for seed in range(3):
+        choice = client.chat.completions.create(
+            model=tool_server.model, tools=NESTED, tool_choice="required", max_tokens=200,
+            seed=seed, temperature=1.0, messages=[{"role": "user", "content": "Ship it"}],
+        ).choices[0]  # fmt: skip
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert json.loads(call.function.arguments) in allowed[call.function.name]
+
+
+def test_required_tool_choice_rebases_a_recursive_tool():
+    """A "#" reference (the tool's own parameters) must point at them, not at the wrapper."""
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}, "n": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    output, _ = forced_tool_calls(tools, "required")
+    schema = json.loads(output.spec)
+    assert schema["$defs"]["tool0"]["properties"]["child"] == {"$ref": "#/$defs/tool0"}

@@ -134,11 +134,18 @@ def forced_tool_calls(
         raise bad_request("tool_choice needs tools", "tool_choice")
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if tool_choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name},
-                                                     "parameters": _parameters(f)},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, f in functions.items()]  # fmt: skip
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        # Each tool's parameters move to $defs and are referred to from there, their own local
+        # $refs ($defs of nested models, "#" for recursion) rebased so that they still resolve.
+        defs, calls = {}, []
+        for i, (name, function) in enumerate(functions.items()):
+            try:
+                defs[f"tool{i}"] = _rebased(_parameters(function), f"#/$defs/tool{i}")
+            except RecursionError:
+                raise bad_request(f"tools[{i}] parameters nest too deeply", "tools") from None
+            calls.append({"type": "object", "properties": {
+                "name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
+                "required": ["name", "parameters"], "additionalProperties": False})  # fmt: skip
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         output, forced = StructuredOutput.json_schema(schema), None
     elif (
         isinstance(tool_choice, dict)
@@ -163,3 +170,17 @@ def forced_tool_calls(
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters")
     return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references ("#", "#/$defs/X") pointing under `base` instead."""
+    if isinstance(schema, dict):
+        return {
+            key: base + value[1:]
+            if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rebased(value, base)
+            for key, value in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebased(value, base) for value in schema]
+    return schema
