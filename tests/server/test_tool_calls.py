@@ -198,3 +198,31 @@ def test_required_tool_choice_rebases_a_recursive_tool():
     output, _ = forced_tool_calls(tools, "required")
     schema = json.loads(output.spec)
     assert schema["$defs"]["tool0"]["properties"]["child"] == {"$ref": "#/$defs/tool0"}
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_parsed_call():
+    text = "Let me check." + CALL + CALL.replace("Paris", "Oslo")
+    for i, j in itertools.combinations_with_replacement(range(0, len(text) + 1, 7), 2):
+        parser, calls = AnswerParser(None, TOOL_CALL_PARSERS["hermes"], max_calls=1), []
+        for n, piece in enumerate((text[:i], text[i:j], text[j:])):
+            calls += parser.feed(piece, last=n == 2)[2]
+        assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris"], (i, j)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_makes_required_one_call(tool_server, stream):
+    """It was not enforced: two calls in 4 of 6 seeds."""
+    client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
+    for seed in range(6):
+        kwargs = dict(model=tool_server.model, tools=BOUNDED, tool_choice="required",
+                      parallel_tool_calls=False, max_tokens=200, seed=seed, temperature=1.0,
+                      messages=[{"role": "user", "content": "Weather in Paris?"}])  # fmt: skip
+        if stream:
+            chunks = client.chat.completions.create(stream=True, **kwargs)
+            calls = [
+                call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []
+            ]
+        else:
+            calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        assert len(calls) == 1, (seed, calls)
+        check_arguments(calls[0].function.arguments)

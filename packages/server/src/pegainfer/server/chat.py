@@ -85,9 +85,12 @@ class AnswerParser:
         self,
         reasoning: Callable[[], ThinkSplitter] | None,
         tool_calls: Callable[[], ToolCallParser] | None,
+        max_calls: int | None = None,
     ) -> None:
         self._reasoning = reasoning() if reasoning else None
         self._tools = tool_calls() if tool_calls else None
+        # parallel_tool_calls false: calls after the first are dropped, as vLLM drops them.
+        self._calls_left = max_calls
 
     def feed(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
@@ -100,6 +103,9 @@ class AnswerParser:
             if last:
                 more_content, more_calls = self._tools.finish()
                 content, calls = content + more_content, calls + more_calls
+            if self._calls_left is not None:
+                calls = calls[: self._calls_left]
+                self._calls_left -= len(calls)
         return reasoning, content, calls
 
 
@@ -128,7 +134,8 @@ class Chat:
         if max_tokens is None:
             max_tokens = body.max_tokens
         tools = self._tools(body)
-        forced = forced_tool_calls(tools, body.tool_choice)
+        parallel = body.parallel_tool_calls is not False
+        forced = forced_tool_calls(tools, body.tool_choice, parallel)
         logprobs = chat_count(body.logprobs, body.top_logprobs)
         params = sampling_params(self.client, body, max_tokens, logprobs, forced and forced[0])
         try:
@@ -146,7 +153,8 @@ class Chat:
             for i, p in enumerate(choice_params(params, body.n))
         ]
         tool_calls = self._tool_call_parser(body, forced)
-        return rid, requests, lambda: AnswerParser(self.reasoning_parser, tool_calls)
+        max_calls = None if parallel else 1
+        return rid, requests, lambda: AnswerParser(self.reasoning_parser, tool_calls, max_calls)
 
     def _tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model (none with tool_choice "none")."""

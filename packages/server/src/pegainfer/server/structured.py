@@ -124,10 +124,10 @@ def check(field: str, output: StructuredOutput) -> None:
 
 
 def forced_tool_calls(
-    tools: list[dict[str, Any]] | None, tool_choice: Any
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True
 ) -> tuple[StructuredOutput, str | None] | None:
     """The constraint of tool_choice "required" (with None) or of a named function (with its
-    name); None for "auto" and "none"."""
+    name); None for "auto" and "none". Not `parallel`: "required" allows exactly one call."""
     if tool_choice in (None, "auto", "none"):
         return None
     if not tools:
@@ -146,6 +146,8 @@ def forced_tool_calls(
                 "name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
                 "required": ["name", "parameters"], "additionalProperties": False})  # fmt: skip
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+        if not parallel:
+            schema["maxItems"] = 1
         output, forced = StructuredOutput.json_schema(schema), None
     elif (
         isinstance(tool_choice, dict)
