@@ -475,3 +475,50 @@ def test_an_unknown_model_name_is_not_echoed_whole(server):
     error = assert_error(response, 404, param="model", code="model_not_found")
     assert len(response.content) < 2_000, error["message"][:200]
     assert "1000000 characters" in error["message"]
+
+
+# vLLM's and OpenAI's request fields that change the output and are not implemented, each set
+# to something other than its "off" value: a 400 naming it, never a silent 200.
+REFUSED_FIELDS = [
+    (COMPLETIONS, "use_beam_search", True),
+    (COMPLETIONS, "length_penalty", 0.5),
+    (COMPLETIONS, "priority", 5),
+    (COMPLETIONS, "logits_processors", ["my.module:Processor"]),
+    (COMPLETIONS, "structural_tag", '{"type": "structural_tag"}'),
+    (COMPLETIONS, "guided_whitespace_pattern", " *"),
+    (COMPLETIONS, "vllm_xargs", {"x": 1}),
+    (COMPLETIONS, "kv_transfer_params", {"do_remote_prefill": True}),
+    (COMPLETIONS, "prompt_embeds", "AAAA"),
+    (CHAT, "echo", True),
+    (CHAT, "add_special_tokens", True),
+    (CHAT, "reasoning_effort", "high"),
+    (CHAT, "documents", [{"title": "t", "text": "x"}]),
+    (CHAT, "mm_processor_kwargs", {"fps": 2}),
+    (CHAT, "modalities", ["text", "audio"]),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
+    (CHAT, "prediction", {"type": "content", "content": "x"}),
+    (CHAT, "web_search_options", {}),
+    (CHAT, "function_call", {"name": "f"}),
+    (CHAT, "use_beam_search", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "name", "value"), REFUSED_FIELDS, ids=[f"{p[4:]}-{n}" for p, n, _ in REFUSED_FIELDS]
+)
+def test_fields_we_cannot_honour_are_refused_by_name(server, path, name, value):
+    body = (completion() if path == COMPLETIONS else chat()) | {name: value}
+    assert_error(post(server, path, body), 400, param=name, contains=name)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (COMPLETIONS, completion(use_beam_search=False, length_penalty=1.0, priority=0)),
+        (CHAT, chat(echo=False, add_special_tokens=False, modalities=["text"])),
+    ],
+    ids=["completions", "chat"],
+)
+def test_refusable_fields_at_their_off_values_are_accepted(server, path, body):
+    response = post(server, path, body)
+    assert response.status_code == 200, response.text

@@ -62,6 +62,16 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: Int64 | None = None
     # Separates this request's prefix-cache entries from other tenants'.
     cache_salt: str | None = None
+    # vLLM's and OpenAI's fields that change the output or how it is made, not implemented:
+    # refused by name (see _NOT_YET) unless at their "off" value.
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    priority: Any = 0
+    logits_processors: Any = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
 
 
 # Fields that change the output and are not implemented yet, with the values that mean "off".
@@ -70,9 +80,28 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "prompt_logprobs": (None,),
     "functions": (None, []),
+    "function_call": (None, "none", "auto"),
     "continue_final_message": (False,),
     "chat_template": (None,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0, 1),
+    "priority": (0,),
+    "logits_processors": (None, []),
+    "structural_tag": (None,),
+    "guided_whitespace_pattern": (None,),
+    "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None,),
+    "prompt_embeds": (None,),
+    "reasoning_effort": (None,),
+    "documents": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
 }
+# Chat's only: completions implement their own echo, and add special tokens to a prompt.
+_NOT_YET_IN_CHAT = {"echo": (False,), "add_special_tokens": (False,)}
 
 
 def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
@@ -82,9 +111,10 @@ def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
 
 def unsupported_fields(request: msgspec.Struct) -> list[str]:
     """Fields of `request` set to a value we cannot honour yet."""
+    not_yet = _NOT_YET | (_NOT_YET_IN_CHAT if isinstance(request, ChatCompletionRequest) else {})
     found = [
         name
-        for name, offs in _NOT_YET.items()
+        for name, offs in not_yet.items()
         if hasattr(request, name) and not _is_off(getattr(request, name), offs)
     ]
     stream_options = getattr(request, "stream_options", None)
@@ -100,6 +130,7 @@ class CompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     max_tokens: Int64 | None = 16
     echo: bool = False
     suffix: str | None = None
+    prompt_embeds: Any = None
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text"):
@@ -130,7 +161,17 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
     parallel_tool_calls: bool | None = None
+    echo: Any = False
+    add_special_tokens: Any = False
+    reasoning_effort: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
