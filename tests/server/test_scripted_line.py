@@ -141,3 +141,12 @@ def test_reasoning_comes_under_both_names_and_is_counted(scripted, stream):
     counted = httpx.post(server.url + "/tokenize", json={"prompt": reasoning}, timeout=30)
     reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"]
     assert reasoning_tokens == counted.json()["count"] < usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_reasoning_false_leaves_the_thinking_out(scripted, stream):
+    server, client = scripted
+    messages = [{"role": "user", "content": "Plan my day"}]
+    content, reasoning, _, _ = ask(client, server, messages, stream,
+                                   extra_body={"include_reasoning": False})  # fmt: skip
+    assert reasoning is None and content.strip() == "Wake up, then work."

@@ -20,6 +20,7 @@ from pegainfer.server.openai_serving import (
     reserve,
     sampling_params,
     sse_stream,
+    truncated,
     usage,
 )
 from pegainfer.server.protocol import (
@@ -130,6 +131,7 @@ class Chat:
         each answer goes through."""
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
+        self.logprobs.as_ids = bool(body.return_tokens_as_token_ids)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
@@ -147,6 +149,7 @@ class Chat:
             )
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param or "messages") from exc
+        prompt_ids = truncated(self.client, prompt_ids, body)
         rid = request_id("chatcmpl")
         requests = [
             (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body), None)
@@ -191,20 +194,27 @@ class Chat:
         for index, stream in enumerate(streams):
             reasoning, content, calls = answer_parser().feed(stream.text, last=True)
             reasonings.append(reasoning)
+            shown = reasoning if body.include_reasoning else ""
             message = AssistantMessage(
                 "assistant",
                 content if content or not calls else None,
-                reasoning=reasoning or None,
-                reasoning_content=reasoning or None,
+                reasoning=shown or None,
+                reasoning_content=shown or None,
                 tool_calls=[call.as_openai() for call in calls] or None,
             )
             reason = stream.finish_reason
             if calls and reason == "stop":
                 reason = "tool_calls"
             logprobs = self.logprobs.chat(stream.logprobs) if body.logprobs else None
-            choices.append(ChatChoice(index, message, logprobs, reason, stream.stop_reason))
+            token_ids = stream.token_ids if body.return_token_ids else None
+            choices.append(
+                ChatChoice(index, message, logprobs, reason, stream.stop_reason, token_ids)
+            )
         counted = usage(streams, body.n, self._reasoning_tokens(reasonings))
-        return ChatCompletionResponse(rid, now(), self.model_name, choices, counted)
+        response = ChatCompletionResponse(rid, now(), self.model_name, choices, counted)
+        if body.return_token_ids:
+            response.prompt_token_ids = streams[0].prompt_token_ids
+        return response
 
     def _reasoning_tokens(self, reasonings: list[str]) -> int | None:
         """`completion_tokens_details.reasoning_tokens`: the thinking's text as the tokenizer
@@ -230,10 +240,16 @@ class Chat:
             return ChatCompletionChunk(rid, created, self.model_name, [choice])
 
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[ChatCompletionChunk]:
-            out = [chunk(index, DeltaMessage(role="assistant", content=""))] if first else []
+            out = []
+            if first:
+                out.append(chunk(index, DeltaMessage(role="assistant", content="")))
+                if body.return_token_ids:
+                    out[0].prompt_token_ids = requests[index][0].prompt_token_ids
             last = delta.finish_reason is not None
             reasoning, content, calls = parsers[index].feed(delta.text, last)
             reasonings[index] += reasoning
+            if not body.include_reasoning:
+                reasoning = ""
             tool_calls = [call.as_openai(num_calls[index] + i) for i, call in enumerate(calls)]
             num_calls[index] += len(calls)
             reason = delta.finish_reason
@@ -246,6 +262,8 @@ class Chat:
                                    tool_calls=tool_calls or None)  # fmt: skip
             logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
             out.append(chunk(index, message, reason, delta.stop_reason, logprobs))
+            if body.return_token_ids:
+                out[-1].choices[0].token_ids = delta.token_ids
             return out
 
         def final(streams: list[RequestStream]) -> ChatCompletionChunk | None:

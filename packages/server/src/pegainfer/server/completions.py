@@ -21,6 +21,7 @@ from pegainfer.server.openai_serving import (
     reserve,
     sampling_params,
     sse_stream,
+    truncated,
     usage,
 )
 from pegainfer.server.protocol import (
@@ -80,15 +81,19 @@ class Completions:
     def prepare(
         self, body: CompletionRequest
     ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
+        self.logprobs.as_ids = bool(body.return_tokens_as_token_ids)
         logprobs = completion_count(body.logprobs)
         params = sampling_params(self.client, body, body.max_tokens, logprobs)
         if body.echo and logprobs is not None:  # the echoed prompt's tokens are scored too
             params = msgspec.structs.replace(params, prompt_logprobs=logprobs)
         copies = choice_params(params, body.n)
         rid = request_id("cmpl")
+        prompts = []
+        for text, ids in _prompts(self.client, body.prompt):
+            kept = truncated(self.client, ids, body)
+            prompts.append((text if kept is ids else None, kept))  # echo decodes what is kept
         # Choice p * n + i is the i-th of the n choices of prompt p.
-        pairs = [(text, ids, params) for text, ids in _prompts(self.client, body.prompt)
-                 for params in copies]  # fmt: skip
+        pairs = [(text, ids, params) for text, ids in prompts for params in copies]
         requests = [
             (engine_request(self.client, f"{rid}-{i}", ids, params, body), text)
             for i, (text, ids, params) in enumerate(pairs)
@@ -104,9 +109,13 @@ class Completions:
             text, logprobs = self._text_and_logprobs(
                 body, request, prompt, stream.text, stream.logprobs, stream.prompt_logprobs, 0
             )
-            choices.append(
-                CompletionChoice(i, text, logprobs, stream.finish_reason, stream.stop_reason)
-            )
+            choice = CompletionChoice(i, text, logprobs, stream.finish_reason, stream.stop_reason)
+            if body.return_token_ids:
+                choice.token_ids, choice.prompt_token_ids = (
+                    stream.token_ids,
+                    stream.prompt_token_ids,
+                )
+            choices.append(choice)
         return CompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
     def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
@@ -124,6 +133,10 @@ class Completions:
             )  # fmt: skip
             offsets[index] += len(text)
             choice = CompletionChoice(index, text, logprobs, delta.finish_reason, delta.stop_reason)
+            if body.return_token_ids:
+                choice.token_ids = delta.token_ids
+                if first:
+                    choice.prompt_token_ids = request.prompt_token_ids
             return [CompletionResponse(rid, created, self.model_name, [choice])]
 
         def final(streams: list[RequestStream]) -> CompletionResponse | None:

@@ -132,6 +132,25 @@ def engine_request(
     return request
 
 
+def truncated(client: AsyncEngineClient, ids: list[int], body: Any) -> list[int]:
+    """A prompt's tokens after vLLM's `truncate_prompt_tokens`: the last k (the first k with
+    `truncation_side` "right"); -1 keeps as many as the context holds."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    limit = client.engine.config.max_model_len
+    if keep == -1:
+        keep = limit
+    if not 1 <= keep <= limit:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 or between 1 and the context ({limit}), got {keep}",
+            "truncate_prompt_tokens",
+        )
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if body.truncation_side == "right" else ids[-keep:]
+
+
 def usage(
     streams: Sequence[RequestStream], n: int = 1, reasoning_tokens: int | None = None
 ) -> Usage:

@@ -62,6 +62,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: Int64 | None = None
     # Separates this request's prefix-cache entries from other tenants'.
     cache_salt: str | None = None
+    # vLLM's: keep only the prompt's last (or first) tokens; -1: as many as the context holds.
+    truncate_prompt_tokens: Int64 | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: the prompt's and the answer's token ids in the response; logprobs' tokens as
+    # "token_id:N" (for tokens whose text is not valid UTF-8 alone).
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's and OpenAI's fields that change the output or how it is made, not implemented:
     # refused by name (see _NOT_YET) unless at their "off" value.
     use_beam_search: Any = False
@@ -163,6 +170,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # false: the reasoning parser's split-off text is dropped
     echo: Any = False
     add_special_tokens: Any = False
     reasoning_effort: Any = None
@@ -239,6 +247,10 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # vLLM's, null unless asked for (return_token_ids; a stream sends the prompt's once).
+    token_ids: list[int] | None = None
+    prompt_logprobs: None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -265,6 +277,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -274,6 +287,8 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -290,6 +305,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -299,6 +315,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in a choice's first
 
 
 class ModelCard(msgspec.Struct):

@@ -1,0 +1,97 @@
+"""vLLM's request extensions that change the output: prompt truncation, token ids in the
+response, logprobs' tokens as ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.helpers import MESSAGES, PROMPT, assert_error, sse_payloads, tokenize
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+IDS = list(range(100, 120))  # a 20-token prompt
+
+
+def post(server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(server.url + path, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize(("side", "kept"), [(None, IDS[-8:]), ("left", IDS[-8:]),
+                                            ("right", IDS[:8])])  # fmt: skip
+def test_truncate_prompt_tokens_keeps_one_end_of_the_prompt(server, side, kept):
+    body = {"prompt": IDS, "max_tokens": 2, "truncate_prompt_tokens": 8, "return_token_ids": True}
+    if side is not None:
+        body["truncation_side"] = side
+    reply = post(server, COMPLETIONS, body)
+    assert reply["choices"][0]["prompt_token_ids"] == kept
+    assert reply["usage"]["prompt_tokens"] == 8
+
+
+def test_truncate_prompt_tokens_in_chat_and_when_the_prompt_is_shorter(server):
+    full = tokenize(server, messages=MESSAGES)
+    body = {"messages": MESSAGES, "max_tokens": 2, "truncate_prompt_tokens": 5}
+    assert post(server, CHAT, body)["usage"]["prompt_tokens"] == 5
+    body["truncate_prompt_tokens"] = len(full) + 10
+    assert post(server, CHAT, body)["usage"]["prompt_tokens"] == len(full)
+    echoed = post(server, COMPLETIONS, {"prompt": PROMPT, "max_tokens": 1, "echo": True,
+                                        "truncate_prompt_tokens": 2})  # fmt: skip
+    kept = httpx.post(
+        server.url + "/detokenize", json={"tokens": tokenize(server, prompt=PROMPT)[-2:]}
+    )
+    assert echoed["choices"][0]["text"].startswith(kept.json()["prompt"])
+
+
+@pytest.mark.parametrize("value", [0, -2, 10_000])
+def test_truncate_prompt_tokens_out_of_range_is_a_400(server, value):
+    body = {"prompt": PROMPT, "max_tokens": 2, "truncate_prompt_tokens": value}
+    response = httpx.post(server.url + COMPLETIONS, json=body, timeout=30)
+    assert_error(response, 400, param="truncate_prompt_tokens")
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_return_token_ids_whole_and_streamed(server, path):
+    body: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    body |= {"prompt": PROMPT} if path == COMPLETIONS else {"messages": MESSAGES}
+    prompt_ids = tokenize(server, **({"prompt": PROMPT} if path == COMPLETIONS else
+                                     {"messages": MESSAGES}))  # fmt: skip
+    whole = post(server, path, body)
+    choice = whole["choices"][0]
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == 6
+    owner = choice if path == COMPLETIONS else whole
+    assert owner["prompt_token_ids"] == prompt_ids
+    raw = httpx.post(server.url + path, json=body | {"stream": True}, timeout=60).content
+    chunks = [c for c in sse_payloads(raw) if c["choices"]]
+    streamed = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+    assert streamed == choice["token_ids"]
+    owners = [c["choices"][0] if path == COMPLETIONS else c for c in chunks]
+    assert [o["prompt_token_ids"] for o in owners if o.get("prompt_token_ids")] == [prompt_ids]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_token_ids_and_prompt_logprobs_are_null_unless_asked(server, path):
+    body = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": MESSAGES}
+    reply = post(server, path, body | {"max_tokens": 2})
+    assert reply["choices"][0]["token_ids"] is None
+    owner = reply["choices"][0] if path == COMPLETIONS else reply
+    assert owner["prompt_logprobs"] is None and owner["prompt_token_ids"] is None
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(server):
+    body = {"prompt": PROMPT, "max_tokens": 4, "logprobs": 2, "return_token_ids": True,
+            "temperature": 0}  # fmt: skip
+    by_text = post(server, COMPLETIONS, body)["choices"][0]
+    choice = post(server, COMPLETIONS, body | {"return_tokens_as_token_ids": True})["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+    # Offsets still count the text's characters.
+    assert choice["logprobs"]["text_offset"] == by_text["logprobs"]["text_offset"]
+    body = {"messages": MESSAGES, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    choice = post(server, CHAT, body)["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
