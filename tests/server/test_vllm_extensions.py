@@ -95,3 +95,39 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(server):
     choice = post(server, CHAT, body)["choices"][0]
     content = choice["logprobs"]["content"]
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_are_the_only_tokens_sampled(server, temperature):
+    allowed = [42, 43, 44]
+    body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "seed": 1,
+            "temperature": temperature, "allowed_token_ids": allowed,
+            "return_token_ids": True}  # fmt: skip
+    choice = post(server, COMPLETIONS, body)["choices"][0]
+    assert len(choice["token_ids"]) == 12 and set(choice["token_ids"]) <= set(allowed)
+
+
+def test_bad_words_are_never_written(server):
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    plain = post(server, COMPLETIONS, body)["choices"][0]["token_ids"]
+    # A word the greedy answer writes as one token of its own.
+    for token in plain:
+        word = httpx.post(server.url + "/detokenize", json={"tokens": [token]}).json()["prompt"]
+        spellings = [tokenize(server, prompt=w) for w in (word.lstrip(), " " + word.lstrip())]
+        if word.strip() and [token] in spellings:
+            break
+    else:
+        pytest.skip("the greedy answer has no single-token word")
+    again = post(server, COMPLETIONS, body | {"bad_words": [word]})["choices"][0]["token_ids"]
+    assert token not in again and again != plain
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("allowed_token_ids", []), ("allowed_token_ids", [10**6]), ("bad_words", [" "])],
+)
+def test_bad_token_lists_are_a_400(server, field, value):
+    body = {"prompt": PROMPT, "max_tokens": 2, field: value}
+    response = httpx.post(server.url + COMPLETIONS, json=body, timeout=30)
+    assert_error(response, 400, param=field)

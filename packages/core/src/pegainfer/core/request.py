@@ -80,14 +80,29 @@ class Request:
     @property
     def needs_known_tokens(self) -> bool:
         """Whether sampling its next token needs every earlier one on the host (penalties
-        count them, a grammar's mask follows them)."""
-        return self.params.has_penalties or self.grammar is not None
+        count them, a grammar's mask follows them, a bad word of several tokens matches
+        them)."""
+        return (
+            self.params.has_penalties
+            or self.grammar is not None
+            or any(len(word) > 1 for word in self.params.bad_words_token_ids)
+        )
 
     def banned_token_ids(self) -> frozenset[int]:
-        """Tokens the sampler must not pick yet: stops are held off until `min_tokens`."""
-        if self.num_output_tokens < self.params.min_tokens:
-            return self.stop_token_ids
-        return frozenset()
+        """Tokens the sampler must not pick next: stops until `min_tokens`, and each bad
+        word's last token where the output ends with the rest of the word."""
+        banned = self.stop_token_ids if self.num_output_tokens < self.params.min_tokens else None
+        words = self.params.bad_words_token_ids
+        if not words:
+            return banned or frozenset()
+        output = self.token_ids[self.num_prompt_tokens :]
+        ends = {
+            word[-1]
+            for word in words
+            if len(word) == 1
+            or (len(output) >= len(word) - 1 and output[1 - len(word) :] == word[:-1])
+        }
+        return frozenset(ends) | (banned or frozenset())
 
     def reserve_token(self) -> None:
         """A step that samples this request's next token was launched; its id comes later."""

@@ -58,6 +58,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: The same for every prompt token after the first (the prompt is then never read from the
     #: prefix cache: its logits are needed).
     prompt_logprobs: int | None = None
+    #: Only these tokens may be sampled (vLLM's `allowed_token_ids`); None: any.
+    allowed_token_ids: list[int] | None = None
+    #: Token sequences the output must not contain (vLLM's `bad_words`, as token ids): a
+    #: sequence's last token is banned wherever the output so far ends with the rest of it.
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -132,9 +137,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"logit_bias token ids {outside[:5]} are outside {where} [0, {limit})",
                 "logit_bias",
             )
-        bad = [t for t in self.stop_token_ids if not (0 <= t < limit)]
-        if bad:
-            raise InvalidRequestError(
-                f"stop_token_ids {bad[:5]} are outside {where} [0, {limit})", "stop_token_ids"
-            )
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("bad_words", [t for word in self.bad_words_token_ids for t in word]),
+        ):
+            bad = [t for t in ids if not (0 <= t < limit)]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} {bad[:5]} are outside {where} [0, {limit})", name
+                )
+        if self.allowed_token_ids == []:
+            raise InvalidRequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+        if any(not word for word in self.bad_words_token_ids):
+            raise InvalidRequestError("bad_words must not be empty", "bad_words")
         return self

@@ -83,6 +83,8 @@ def sampling_params(
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "logit_bias": _logit_bias(request.logit_bias),
+        "allowed_token_ids": request.allowed_token_ids,
+        "bad_words_token_ids": _bad_words(client, request.bad_words),
         "structured": _structured(request, forced),
         "logprobs": logprobs,
     }
@@ -111,6 +113,21 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         return {int(token): float(value) for token, value in (bias or {}).items()}
     except ValueError:
         raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+
+
+def _bad_words(client: AsyncEngineClient, words: list[str] | None) -> list[list[int]]:
+    """Each bad word's tokens as it would start the text and as it would follow a space (BPE
+    tokenizers spell the two differently), as vLLM bans them."""
+    encode = client.frontend.tokenizer.encode
+    found: list[list[int]] = []
+    for word in words or []:
+        if not word.strip():
+            raise bad_request("bad_words must not be empty or blank", "bad_words")
+        for spelling in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(spelling, add_special_tokens=False)
+            if ids not in found:
+                found.append(ids)
+    return found
 
 
 def engine_request(

@@ -69,6 +69,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     # "token_id:N" (for tokens whose text is not valid UTF-8 alone).
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the only tokens the answer may use; words it may not contain.
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
     # vLLM's and OpenAI's fields that change the output or how it is made, not implemented:
     # refused by name (see _NOT_YET) unless at their "off" value.
     use_beam_search: Any = False
