@@ -131,3 +131,32 @@ def test_bad_token_lists_are_a_400(server, field, value):
     body = {"prompt": PROMPT, "max_tokens": 2, field: value}
     response = httpx.post(server.url + COMPLETIONS, json=body, timeout=30)
     assert_error(response, 400, param=field)
+
+
+CONTINUED = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+
+
+def test_continue_final_message_leaves_the_last_message_open(server):
+    ids = tokenize(server, messages=CONTINUED, add_generation_prompt=False,
+                   continue_final_message=True)  # fmt: skip
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=30).json()
+    assert text["prompt"].endswith("The answer is")
+    closed = tokenize(server, messages=CONTINUED, add_generation_prompt=False)
+    assert closed[: len(ids)] == ids and len(closed) > len(ids)
+    body = {"messages": CONTINUED, "add_generation_prompt": False,
+            "continue_final_message": True, "max_tokens": 2}  # fmt: skip
+    assert post(server, CHAT, body)["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": CONTINUED, "continue_final_message": True},  # with add_generation_prompt
+        {"messages": [*MESSAGES, {"role": "assistant", "content": ""}],
+         "add_generation_prompt": False, "continue_final_message": True},
+    ],
+    ids=["with-generation-prompt", "nothing-to-continue"],
+)  # fmt: skip
+def test_continue_final_message_that_cannot_be_honoured_is_a_400(server, body):
+    response = httpx.post(server.url + CHAT, json=body | {"max_tokens": 2}, timeout=30)
+    assert_error(response, 400, param="continue_final_message")

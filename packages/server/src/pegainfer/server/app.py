@@ -175,6 +175,7 @@ def build_app(state: ServerState) -> Starlette:
                     add_generation_prompt=body.add_generation_prompt,
                     tools=body.tools or None,
                     chat_template_kwargs=body.chat_template_kwargs,
+                    continue_final_message=body.continue_final_message,
                 )
             elif body.prompt is not None:
                 tokens = frontend.tokenizer.encode(body.prompt, body.add_special_tokens)

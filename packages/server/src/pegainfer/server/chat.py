@@ -146,6 +146,7 @@ class Chat:
                 add_generation_prompt=body.add_generation_prompt,
                 tools=tools,
                 chat_template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
             )
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param or "messages") from exc

@@ -91,7 +91,6 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "continue_final_message": (False,),
     "chat_template": (None,),
     "use_beam_search": (False,),
     "length_penalty": (1.0, 1),
@@ -191,6 +190,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
