@@ -160,3 +160,23 @@ def test_continue_final_message_leaves_the_last_message_open(server):
 def test_continue_final_message_that_cannot_be_honoured_is_a_400(server, body):
     response = httpx.post(server.url + CHAT, json=body | {"max_tokens": 2}, timeout=30)
     assert_error(response, 400, param="continue_final_message")
+
+
+def test_prompt_logprobs_in_vllms_shape(server):
+    """Per prompt token (null for the first): the token itself and the most likely ones, keyed
+    by id, with the same scores echo reports."""
+    ids = [11, 22, 33, 44, 55]
+    body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    scored = post(server, COMPLETIONS, body)["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    echoed = post(server, COMPLETIONS, {"prompt": ids, "max_tokens": 1, "echo": True,
+                                        "logprobs": 2})["choices"][0]["logprobs"]  # fmt: skip
+    for i, (token, position) in enumerate(zip(ids[1:], scored[1:], strict=True), 1):
+        assert 2 <= len(position) <= 3 and str(token) in position
+        entry = position[str(token)]
+        assert set(entry) == {"logprob", "rank", "decoded_token"} and entry["rank"] >= 1
+        assert entry["logprob"] == pytest.approx(echoed["token_logprobs"][i], abs=1e-5)
+    body = {"messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 0}
+    reply = post(server, CHAT, body)
+    assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+    assert all(len(p) == 1 for p in reply["prompt_logprobs"][1:])

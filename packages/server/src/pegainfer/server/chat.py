@@ -215,6 +215,8 @@ class Chat:
         response = ChatCompletionResponse(rid, now(), self.model_name, choices, counted)
         if body.return_token_ids:
             response.prompt_token_ids = streams[0].prompt_token_ids
+        if body.prompt_logprobs is not None:
+            response.prompt_logprobs = self.logprobs.prompt(streams[0].prompt_logprobs or [])
         return response
 
     def _reasoning_tokens(self, reasonings: list[str]) -> int | None:

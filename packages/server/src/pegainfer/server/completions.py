@@ -85,7 +85,8 @@ class Completions:
         logprobs = completion_count(body.logprobs)
         params = sampling_params(self.client, body, body.max_tokens, logprobs)
         if body.echo and logprobs is not None:  # the echoed prompt's tokens are scored too
-            params = msgspec.structs.replace(params, prompt_logprobs=logprobs)
+            most = max(logprobs, params.prompt_logprobs or 0)
+            params = msgspec.structs.replace(params, prompt_logprobs=most)
         copies = choice_params(params, body.n)
         rid = request_id("cmpl")
         prompts = []
@@ -111,10 +112,10 @@ class Completions:
             )
             choice = CompletionChoice(i, text, logprobs, stream.finish_reason, stream.stop_reason)
             if body.return_token_ids:
-                choice.token_ids, choice.prompt_token_ids = (
-                    stream.token_ids,
-                    stream.prompt_token_ids,
-                )
+                choice.token_ids = stream.token_ids
+                choice.prompt_token_ids = stream.prompt_token_ids
+            if body.prompt_logprobs is not None:
+                choice.prompt_logprobs = self.logprobs.prompt(stream.prompt_logprobs or [])
             choices.append(choice)
         return CompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 

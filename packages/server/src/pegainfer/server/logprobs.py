@@ -19,6 +19,8 @@ from pegainfer.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
 
@@ -95,6 +97,17 @@ class LogprobsFormatter:
                 key = self.name(token_id)
                 top[f"token_id:{token_id}" if key in top else key] = logprob
         return top
+
+    def prompt(self, entries: list[TokenLogprob]) -> PromptLogprobs:
+        """vLLM's `prompt_logprobs` of a prompt whose tokens after the first are `entries`."""
+        scored: PromptLogprobs = [None]
+        for entry in entries:
+            candidates = {entry.token_id: (entry.logprob, entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top, 1):
+                candidates.setdefault(token_id, (logprob, rank))
+            scored.append({str(token_id): PromptLogprob(logprob, rank, self.name(token_id))
+                           for token_id, (logprob, rank) in candidates.items()})  # fmt: skip
+        return scored
 
     def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         def top(token_id: int, logprob: float) -> TopLogprob:

@@ -87,7 +87,11 @@ def sampling_params(
         "bad_words_token_ids": _bad_words(client, request.bad_words),
         "structured": _structured(request, forced),
         "logprobs": logprobs,
+        "prompt_logprobs": request.prompt_logprobs,
     }
+    if request.prompt_logprobs is not None and request.stream:
+        # As vLLM: a prompt's scores come whole, with the first output, not streamed.
+        raise bad_request("prompt_logprobs are not available when streaming", "prompt_logprobs")
     params = client.frontend.default_sampling_params(**explicit)
     try:
         return params.validate(client.engine.config.vocab_size)

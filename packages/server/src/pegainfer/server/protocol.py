@@ -88,7 +88,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
 _NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "prompt_logprobs": (None,),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "chat_template": (None,),
@@ -244,6 +243,19 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's entry of one candidate token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, {token id: entry} of the token itself and the most
+# likely ones (null for the first token, which nothing before it scores).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
@@ -252,7 +264,7 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: str | int | None = None
     # vLLM's, null unless asked for (return_token_ids; a stream sends the prompt's once).
     token_ids: list[int] | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
 
 
@@ -290,7 +302,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
