@@ -108,13 +108,6 @@ BAD_REQUESTS = {
     ),
     "unknown-model": (COMPLETIONS, completion(model="gpt-4"), 404, "model", "gpt-4"),
     "unknown-model-chat": (CHAT, chat(model="gpt-4"), 404, "model", "gpt-4"),
-    "continuous-usage": (
-        COMPLETIONS,
-        completion(stream=True, stream_options={"continuous_usage_stats": True}),
-        400,
-        "stream_options.continuous_usage_stats",
-        None,
-    ),
     "tool-message-without-call-id": (
         CHAT,
         {

@@ -180,3 +180,21 @@ def test_prompt_logprobs_in_vllms_shape(server):
     reply = post(server, CHAT, body)
     assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
     assert all(len(p) == 1 for p in reply["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_continuous_usage_stats_put_usage_in_every_chunk(server, path):
+    body: dict[str, Any] = {"max_tokens": 5, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}  # fmt: skip
+    body |= {"prompt": PROMPT} if path == COMPLETIONS else {"messages": MESSAGES}
+    raw = httpx.post(server.url + path, json=body, timeout=60).content
+    payloads = sse_payloads(raw)
+    chunks, final = payloads[:-1], payloads[-1]
+    assert all(c["choices"] and c["usage"] for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {final["usage"]["prompt_tokens"]}
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n
+               for c, n in zip(chunks, counts, strict=True))  # fmt: skip
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5

@@ -275,4 +275,4 @@ class Chat:
             counted = usage(streams, body.n, self._reasoning_tokens(reasonings))
             return ChatCompletionChunk(rid, created, self.model_name, [], counted)
 
-        return sse_stream(self.client, requests, reservation, chunks, final)
+        return sse_stream(self.client, requests, reservation, chunks, final, body)

@@ -145,7 +145,7 @@ class Completions:
                 return None
             return CompletionResponse(rid, created, self.model_name, [], usage(streams, body.n))
 
-        return sse_stream(self.client, requests, reservation, chunks, final)
+        return sse_stream(self.client, requests, reservation, chunks, final, body)
 
     def _text_and_logprobs(
         self,

@@ -289,19 +289,26 @@ async def sse_stream(
     client: AsyncEngineClient,
     requests: Sequence[tuple[EngineRequest, str | None]],
     reservation: Reservation,
-    chunks: Callable[[int, StreamDelta, bool], list[msgspec.Struct]],
+    chunks: Callable[[int, StreamDelta, bool], list[Any]],
     final: Callable[[list[RequestStream]], msgspec.Struct | None],
+    body: Any,
 ) -> AsyncIterator[bytes]:
     """SSE bytes: `chunks(index, delta, first)` per delta, then `final(streams)`, then [DONE].
 
-    An engine failure mid-stream becomes an error event (the status line is already sent).
+    With `stream_options.continuous_usage_stats` (and include_usage) every chunk carries its
+    choice's usage so far, as vLLM's do. An engine failure mid-stream becomes an error event
+    (the status line is already sent).
     """
+    options = body.stream_options
+    continuous = options is not None and options.include_usage and options.continuous_usage_stats
     streams: dict[int, RequestStream] = {}
     try:
         async for index, stream, delta in merged(client, requests, reservation):
             first = index not in streams
             streams[index] = stream
             for chunk in chunks(index, delta, first):
+                if continuous:
+                    chunk.usage = usage([stream])
                 yield sse(chunk)
     except (ServerBusyError, EngineFailedError) as exc:
         yield b"data: " + translate_engine_errors(exc).body() + b"\n\n"

@@ -125,9 +125,6 @@ def unsupported_fields(request: msgspec.Struct) -> list[str]:
         for name, offs in not_yet.items()
         if hasattr(request, name) and not _is_off(getattr(request, name), offs)
     ]
-    stream_options = getattr(request, "stream_options", None)
-    if stream_options is not None and stream_options.continuous_usage_stats:
-        found.append("stream_options.continuous_usage_stats")
     return found
 
 
