@@ -1,0 +1,32 @@
+"""What the distributions declare: a pip install from wheels has exactly these to run on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent.parent
+
+
+def project(package: str) -> dict:
+    path = ROOT / ("pyproject.toml" if package == "." else f"packages/{package}/pyproject.toml")
+    return tomllib.loads(path.read_text())["project"]
+
+
+def names(requirements: list[str]) -> set[str]:
+    return {r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip()
+            for r in requirements}  # fmt: skip
+
+
+def test_core_declares_numpy_which_writing_safetensors_needs(tmp_path):
+    """A pip install lacked numpy: pegainfer-tiny crashed half-way through its first write."""
+    blocked = (
+        "import sys; sys.modules['numpy'] = None; import torch; "
+        "from safetensors.torch import save_file; save_file({'a': torch.zeros(1)}, 'x')"
+    )
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True,
+                            cwd=tmp_path)  # fmt: skip
+    assert "numpy" in result.stderr  # the premise: safetensors writes through numpy
+    assert "numpy" in names(project("core")["dependencies"])
