@@ -30,3 +30,22 @@ def test_core_declares_numpy_which_writing_safetensors_needs(tmp_path):
                             cwd=tmp_path)  # fmt: skip
     assert "numpy" in result.stderr  # the premise: safetensors writes through numpy
     assert "numpy" in names(project("core")["dependencies"])
+
+
+PACKAGES = [".", "core", "server", "model-qwen3", "model-qwen35", "model-deepseek"]
+
+
+def test_workspace_packages_pin_each_other_to_their_one_version():
+    """They are released together: a wheel of one must not pair with another release of the
+    next (they were unpinned)."""
+    versions = {project(p)["name"]: project(p)["version"] for p in PACKAGES}
+    for package in PACKAGES:
+        meta = project(package)
+        assert meta.get("description"), package
+        requirements = meta.get("dependencies", []) + [
+            r for extra in meta.get("optional-dependencies", {}).values() for r in extra
+        ]
+        for requirement in requirements:
+            name = next(iter(names([requirement])))
+            if name in versions:
+                assert f"{name}=={versions[name]}" in requirement.replace(" ", ""), requirement
