@@ -49,3 +49,12 @@ def test_workspace_packages_pin_each_other_to_their_one_version():
             name = next(iter(names([requirement])))
             if name in versions:
                 assert f"{name}=={versions[name]}" in requirement.replace(" ", ""), requirement
+
+
+def test_dev_tools_stay_out_of_a_default_install_and_the_readme_asks_for_them():
+    """`uv sync` installed the whole dev group (transformers, pytest, ruff...) for everyone."""
+    root = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "dev" not in root["tool"]["uv"].get("default-groups", [])
+    readme = (ROOT / "README.md").read_text()
+    assert "uv run --group dev pytest -q" in readme
+    assert "https://download.pytorch.org/whl/cpu" in readme  # the CPU-only path is documented
