@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import logging
 from typing import Any
 
 import torch
 
 from pegainfer.core.messages import EngineRequest
 from pegainfer.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -117,7 +120,14 @@ class Request:
         self.token_ids[index] = token_id
         self.num_pending -= 1
         outputs = index + 1 - self.num_prompt_tokens
-        if token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
+        if self.grammar is not None and self.grammar.is_error():
+            # The grammar engine gave up (a lexer or parser limit): the output can no longer be
+            # held to the constraint, so the request ends with an error, never a quiet "stop".
+            self.finish_reason = "error"
+            logger.warning("request %s: its structured output's grammar failed after %d tokens: "
+                           "%s", self.request_id, outputs,
+                           self.grammar.get_error().split("\n", 1)[0])  # fmt: skip
+        elif token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
             self.finish_reason, self.stop_token_id = "stop", token_id
         elif self.grammar is not None and self.grammar.is_stopped():
             self.finish_reason = "stop"  # the grammar allows nothing more
