@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -201,6 +202,16 @@ def _wrap_seed(seed: int) -> int:
     return (seed + 2**63) % 2**64 - 2**63
 
 
+# Deltas of one response waiting for its consumer (a stream's client reading them): past this
+# many the response ends and its requests are aborted, so a client that stops reading cannot
+# make the server hold an ever larger answer (one n=64, logprobs=20 stream grew it by 216 MB).
+MAX_UNSENT_DELTAS = 16384
+
+
+class ClientTooSlowError(RuntimeError):
+    """The client read its stream too slowly: the response was ended."""
+
+
 async def merged(
     client: AsyncEngineClient,
     requests: Sequence[tuple[EngineRequest, str | None]],
@@ -213,8 +224,15 @@ async def merged(
 
     async def pump(index: int, request: EngineRequest, prompt: str | None) -> None:
         try:
-            async for stream, delta in client.generate(request, reservation, prompt):
-                queue.put_nowait((index, stream, delta))
+            # Closed on leaving the loop, which aborts the request.
+            async with contextlib.aclosing(client.generate(request, reservation, prompt)) as out:
+                async for stream, delta in out:
+                    if queue.qsize() >= MAX_UNSENT_DELTAS:
+                        raise ClientTooSlowError(
+                            f"the client read its stream too slowly ({MAX_UNSENT_DELTAS} "
+                            "chunks were waiting): the answer was ended"
+                        )
+                    queue.put_nowait((index, stream, delta))
         except BaseException as exc:  # handed to the consumer, which re-raises it
             queue.put_nowait(exc)
             return
@@ -237,11 +255,15 @@ async def merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def translate_engine_errors(exc: ServerBusyError | EngineFailedError) -> APIError:
+def translate_engine_errors(
+    exc: ServerBusyError | EngineFailedError | ClientTooSlowError,
+) -> APIError:
     if isinstance(exc, ServerBusyError):
         return APIError(
             503, f"server busy: {exc}", code="server_busy", headers={"Retry-After": "1"}
         )
+    if isinstance(exc, ClientTooSlowError):
+        return APIError(400, str(exc), code="client_too_slow")
     return APIError(500, str(exc), code="engine_error")
 
 
@@ -310,7 +332,7 @@ async def sse_stream(
                 if continuous:
                     chunk.usage = usage([stream])
                 yield sse(chunk)
-    except (ServerBusyError, EngineFailedError) as exc:
+    except (ServerBusyError, EngineFailedError, ClientTooSlowError) as exc:
         yield b"data: " + translate_engine_errors(exc).body() + b"\n\n"
         yield SSE_DONE
         return
