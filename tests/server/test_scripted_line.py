@@ -66,14 +66,17 @@ def ask(client, server, messages, stream=False, **kwargs):
             calls,
             choice.finish_reason,
         )
-    content, reasoning, calls, reason = "", "", [], None
+    content, reasoning, reason = "", "", None
+    streamed: dict[int, list] = {}  # a call's index -> [name, arguments so far, id]
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         reasoning += getattr(delta, "reasoning_content", None) or ""
-        calls += [(c.function.name, json.loads(c.function.arguments), c.id)
-                  for c in delta.tool_calls or []]  # fmt: skip
+        for c in delta.tool_calls or []:  # a call's first piece names it; more of it follow
+            call = streamed.setdefault(c.index, [c.function.name, "", c.id])
+            call[1] += c.function.arguments or ""
         reason = chunk.choices[0].finish_reason or reason
+    calls = [(name, json.loads(arguments), id_) for name, arguments, id_ in streamed.values()]
     return content or None, reasoning or None, calls, reason
 
 
@@ -164,3 +167,19 @@ def test_a_streamed_tool_call_sends_no_empty_deltas(scripted):
         delta = choice["delta"]
         assert delta.get("content") or delta.get("tool_calls") or choice["finish_reason"], choice
     assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_hermes_call_streams_its_arguments_as_they_arrive(scripted):
+    """They came in one piece after the closing tag; now as vLLM's parsers send them: the
+    call's id and name first, then its arguments in pieces."""
+    server, _ = scripted
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": TOOLS, "max_tokens": 100, "stream": True}  # fmt: skip
+    raw = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).content
+    pieces = [call for c in sse_payloads(raw) if c["choices"]
+              for call in c["choices"][0]["delta"].get("tool_calls") or []]  # fmt: skip
+    first, *rest = pieces
+    assert first["id"].startswith("call_") and first["function"]["name"] == "weather"
+    assert len(rest) > 1 and all(set(p) == {"index", "function"} for p in rest)
+    arguments = first["function"]["arguments"] + "".join(p["function"]["arguments"] for p in rest)
+    assert json.loads(arguments) == {"city": "Paris"}

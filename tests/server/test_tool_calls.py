@@ -12,7 +12,7 @@ import pytest
 from pegainfer.server.chat import AnswerParser
 from pegainfer.server.reasoning import ThinkSplitter
 from pegainfer.server.structured import forced_tool_calls
-from pegainfer.server.tool_calls import TOOL_CALL_PARSERS
+from pegainfer.server.tool_calls import TOOL_CALL_PARSERS, HermesToolCalls, whole_calls
 from tests.server.conftest import start_server, stop_server
 
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -32,8 +32,8 @@ def parse(pieces: list[str], kind: str = "hermes") -> tuple[str, list[tuple[str,
     for n, piece in enumerate(pieces):
         _, text, new = parser.feed(piece, last=n == len(pieces) - 1)
         content += text
-        calls += [(c.name, json.loads(c.arguments)) for c in new]
-    return content, calls
+        calls += new
+    return content, [(c.name, json.loads(c.arguments)) for c in whole_calls(calls)]
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), CASES)
@@ -206,7 +206,7 @@ def test_parallel_tool_calls_false_keeps_only_the_first_parsed_call():
         parser, calls = AnswerParser(None, TOOL_CALL_PARSERS["hermes"], max_calls=1), []
         for n, piece in enumerate((text[:i], text[i:j], text[j:])):
             calls += parser.feed(piece, last=n == 2)[2]
-        assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris"], (i, j)
+        assert [json.loads(c.arguments)["city"] for c in whole_calls(calls)] == ["Paris"], (i, j)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -226,3 +226,18 @@ def test_parallel_tool_calls_false_makes_required_one_call(tool_server, stream):
             calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
         assert len(calls) == 1, (seed, calls)
         check_arguments(calls[0].function.arguments)
+
+
+def test_hermes_arguments_go_out_as_they_arrive():
+    """Fed a character at a time: the call's id and name once they are known, then its
+    arguments in pieces, all before the closing tag."""
+    parser, pieces = HermesToolCalls(), []
+    for char in CALL[: -len("</tool_call>")]:
+        content, new = parser.feed(char)
+        assert content == ""
+        pieces += new
+    first, *rest = pieces
+    assert (first.name, first.arguments) == ("weather", "") and first.id.startswith("call_")
+    assert len(rest) > 5 and all(p.id is None and p.index == first.index for p in rest)
+    assert json.loads("".join(p.arguments for p in rest)) == {"city": "Paris", "days": 2}
+    assert parser.feed("</tool_call>") == ("", [])

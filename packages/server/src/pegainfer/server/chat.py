@@ -36,7 +36,7 @@ from pegainfer.server.protocol import (
 )
 from pegainfer.server.reasoning import ThinkSplitter
 from pegainfer.server.structured import forced_tool_calls
-from pegainfer.server.tool_calls import ForcedToolCalls, TaggedToolCalls, ToolCall
+from pegainfer.server.tool_calls import ForcedToolCalls, TaggedToolCalls, ToolCall, whole_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -92,6 +92,7 @@ class AnswerParser:
         self._tools = tool_calls() if tool_calls else None
         # parallel_tool_calls false: calls after the first are dropped, as vLLM drops them.
         self._calls_left = max_calls
+        self._dropped: set[int | None] = set()  # indexes of streamed calls left out
 
     def feed(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
@@ -105,9 +106,18 @@ class AnswerParser:
                 more_content, more_calls = self._tools.finish()
                 content, calls = content + more_content, calls + more_calls
             if self._calls_left is not None:
-                calls = calls[: self._calls_left]
-                self._calls_left -= len(calls)
+                calls = [call for call in calls if self._keep(call)]
         return reasoning, content, calls
+
+    def _keep(self, call: ToolCall) -> bool:
+        """Within max_calls: a call's first piece (with its id) counts, later pieces follow it."""
+        if call.id is None:
+            return call.index not in self._dropped
+        if self._calls_left == 0:
+            self._dropped.add(call.index)
+            return False
+        self._calls_left -= 1
+        return True
 
 
 class Chat:
@@ -193,7 +203,8 @@ class Chat:
         streams = await collect(self.client, requests, reserve(self.client, len(requests)))
         choices, reasonings = [], []
         for index, stream in enumerate(streams):
-            reasoning, content, calls = answer_parser().feed(stream.text, last=True)
+            reasoning, content, pieces = answer_parser().feed(stream.text, last=True)
+            calls = whole_calls(pieces)
             reasonings.append(reasoning)
             shown = reasoning if body.include_reasoning else ""
             message = AssistantMessage(
@@ -253,8 +264,12 @@ class Chat:
             reasonings[index] += reasoning
             if not body.include_reasoning:
                 reasoning = ""
-            tool_calls = [call.as_openai(num_calls[index] + i) for i, call in enumerate(calls)]
-            num_calls[index] += len(calls)
+            tool_calls = []
+            for call in calls:  # numbered by the parser when it streams, else in order
+                number = num_calls[index] if call.index is None else call.index
+                if call.id is not None:
+                    num_calls[index] += 1
+                tool_calls.append(call.as_openai(number))
             reason = delta.finish_reason
             if reason == "stop" and num_calls[index]:
                 reason = "tool_calls"
