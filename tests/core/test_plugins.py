@@ -127,3 +127,59 @@ def test_duplicate_line_names_are_refused():
     pm.register(Plugin(), "two")
     with pytest.raises(ModelLineError, match="registered twice: a"):
         model_lines(pm)
+
+
+def install_plugin(tmp_path: Path, monkeypatch, name: str, source: str) -> None:
+    """A plugin module `name` with an entry point of the same name, as a third party's."""
+    (tmp_path / f"{name}.py").write_text(source)
+    dist_info = tmp_path / f"pegainfer_{name}-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: pegainfer-{name}\n"
+                                        "Version: 0.1\n")  # fmt: skip
+    (dist_info / "entry_points.txt").write_text(f"[pegainfer]\n{name} = {name}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+BROKEN_PLUGINS = {
+    "raises_on_import": ("raise RuntimeError('a missing CUDA library')", "a missing CUDA library"),
+    "no_hookimpl": ("def pegainfer_model_lines():\n    return []\n", "not decorated with"),
+    "hook_typo": ("from pegainfer.core.plugins import hookimpl\n\n@hookimpl\n"
+                  "def pegainfer_model_line():\n    return []\n", "not a pegainfer hook"),
+    "no_hooks": ("def model_lines():\n    return []\n", "defines none of the hooks"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_PLUGINS))
+def test_a_broken_plugin_is_left_out_and_named(tmp_path, monkeypatch, caplog, name):
+    """It took the server down for every model (or was ignored without a word), naming neither
+    the plugin nor PEGAINFER_PLUGINS."""
+    source, why = BROKEN_PLUGINS[name]
+    install_plugin(tmp_path, monkeypatch, name, source)
+    assert "qwen3" in [line.name for line in model_lines()]  # the other lines still load
+    logged = caplog.text
+    assert name in logged and why in logged and "PEGAINFER_PLUGINS" in logged
+    with pytest.raises(ModelLineError) as err:
+        detect_model_line({"model_type": "mine"}, model_lines())
+    assert f"{name}: " in str(err.value) and why in str(err.value)
+
+
+def test_pegainfer_plugins_naming_an_installed_line_out_is_not_a_missing_extra(monkeypatch, caplog):
+    monkeypatch.setenv("PEGAINFER_PLUGINS", "qwen3,qwen3five")
+    lines = model_lines()
+    assert "qwen3five" in caplog.text and "no installed plugin" in caplog.text
+    with pytest.raises(ModelLineError) as err:
+        detect_model_line({"model_type": "qwen3_5"}, lines)
+    assert "installed but not loaded" in str(err.value) and "pip install" not in str(err.value)
+
+
+def test_a_model_type_no_family_serves_says_so_plainly():
+    with pytest.raises(ModelLineError, match="pegainfer has no model line for it"):
+        detect_model_line({"model_type": "llama"}, model_lines())
+
+
+def test_a_line_with_no_kv_arenas_is_refused_by_name():
+    """kv_arenas() returning [] ended in ZeroDivisionError."""
+    from pegainfer.core.kv.kv_cache import blocks_for_memory
+
+    with pytest.raises(ModelLineError, match="at least one KV arena"):
+        blocks_for_memory([], 1 << 30)

@@ -158,3 +158,31 @@ def test_penalties_match_a_reference_computation():
     batch = make_batch(1, temperature=0.0)
     batch.penalties = [penalties]
     assert sample(logits[None].clone(), batch).item() == int(expected.argmax())
+
+
+def test_allowed_token_ids_are_the_only_picks():
+    logits = torch.zeros(2000, V)
+    logits[:, 0] = 5.0
+    batch = make_batch(2000)
+    batch.allowed = [[2, 6]] * 2000
+    assert set(sample(logits, batch).tolist()) == {2, 6}
+    greedy = make_batch(2, temperature=0.0)
+    greedy.allowed = [[4, 7], None]  # the best allowed one; an unrestricted row is untouched
+    assert sample(LOGITS.expand(2, V).clone(), greedy).tolist() == [4, 0]
+
+
+def test_bad_words_ban_their_last_token_after_the_rest():
+    from pegainfer.core.engine.messages import EngineRequest
+    from pegainfer.core.engine.request import Request
+    from pegainfer.core.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(bad_words_token_ids=[[5], [1, 2, 3]])
+    msg = EngineRequest(request_id="r", prompt_token_ids=[1, 2], params=params,
+                        eos_token_ids=[7], arrival_time=0.0)  # fmt: skip
+    request = Request(msg, max_tokens=10, generator=None)
+    assert request.banned_token_ids() == {5}  # the prompt's 1, 2 do not count
+    request.token_ids += [1, 2]
+    assert request.banned_token_ids() == {5, 3}
+    assert request.needs_known_tokens  # a word of several tokens follows the output
+    request.token_ids += [4]
+    assert request.banned_token_ids() == {5}

@@ -132,3 +132,31 @@ def test_llguidance_reads_our_tokenizer_as_we_do(model_dir):
     text = 'A {"json": [1, 2.5, "ü→"]} text'
     ids = ours.encode(text)
     assert theirs.decode_str(ids) == text == ours.decode(ids)
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        StructuredOutput(kind="regex", spec="(a{1000}){1000}"),
+        StructuredOutput.json_schema(
+            {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+        ),
+    ],
+    ids=["regex-too-large", "recursive-required"],
+)
+def test_a_grammar_that_fails_mid_generation_ends_the_request_with_an_error(model_dir, output):
+    """It ended with finish_reason "stop" and text that broke the constraint, and no log."""
+    engine = make_engine(model_dir)
+    engine.add_request(EngineRequest(request_id="r", prompt_token_ids=[5, 9, 11],
+                                     params=constrained(output, seed=1), eos_token_ids=[7],
+                                     arrival_time=0.0))  # fmt: skip
+    reasons = []
+    while engine.has_unfinished_requests:
+        reasons += [o.finish_reason for o in engine.step() if o.finish_reason is not None]
+    assert reasons == ["error"]
+
+
+def test_a_grammar_that_fails_on_its_first_mask_is_refused_up_front(model_dir):
+    engine = make_engine(model_dir)
+    with pytest.raises(InvalidRequestError, match="json_schema"):
+        engine.grammars.matcher(StructuredOutput.json_schema({"$ref": "#"}), [7])

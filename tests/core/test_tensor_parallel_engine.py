@@ -92,6 +92,7 @@ def assert_scores_close(got: list, expected: list) -> None:
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+@pytest.mark.line("deepseek")
 @pytest.mark.parametrize(("lora", "async_scheduling"),
                          [({}, False), ({"q_lora_rank": 24}, False), ({}, True)],
                          ids=["q", "q-lora", "q-async"])  # fmt: skip
@@ -124,6 +125,7 @@ def test_two_attention_ranks_generate_what_one_does(tmp_path, lora, async_schedu
         engine.shutdown()
 
 
+@pytest.mark.line("deepseek")
 def test_four_attention_ranks_generate_what_one_does(tmp_path):
     """Three requests on four ranks (two experts each): one rank only ever runs dummy tokens,
     and each token's two experts may sit on two other ranks."""
@@ -143,6 +145,7 @@ def test_four_attention_ranks_generate_what_one_does(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.line("deepseek")
 def test_two_attention_ranks_score_a_long_prompt_that_samples_nothing_for_steps(tmp_path):
     """A prompt longer than the step's budget asks for prompt logprobs: its first chunks score
     prompt positions while no row of the step samples."""
@@ -314,6 +317,12 @@ SERVED = {
 }
 
 
+# Each layout as a parameter that skips when its line is not installed.
+LAYOUTS = [
+    pytest.param(name, marks=pytest.mark.line(line)) for name, (line, _) in sorted(SERVED.items())
+]
+
+
 def start_ranked_server(tmp_path: Path, layout: str, max_model_len: int):
     from pegainfer.core.plugins import model_lines
     from tests.server.conftest import start_server
@@ -325,7 +334,7 @@ def start_ranked_server(tmp_path: Path, layout: str, max_model_len: int):
                         str(max_model_len), *flags)  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", sorted(SERVED))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_server_serves_with_two_ranks(tmp_path, layout):
     """`pegainfer-server` with two ranks answers concurrent requests (with data-parallel
     attention, on both ranks), and its workers end with it."""
@@ -360,7 +369,7 @@ def test_the_server_serves_with_two_ranks(tmp_path, layout):
     assert not alive, f"processes outlived the server: {alive}"
 
 
-@pytest.mark.parametrize("layout", sorted(SERVED))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_rank_dying_mid_request_ends_it_with_an_error_and_the_server_reports_unhealthy(
     tmp_path, layout
 ):
@@ -453,6 +462,7 @@ def test_expert_parallelism_is_refused_for_a_line_without_experts(checkpoint):
         make_engine(checkpoint, data_parallel_size=2, enable_expert_parallel=True)
 
 
+@pytest.mark.line("deepseek")
 def test_data_parallel_attention_is_refused_for_a_line_that_does_not_declare_it(tmp_path):
     """A line runs data-parallel attention only if it says so (its forward must exchange
     tokens and return every rank's rows on rank 0)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pegainfer.core.args import EngineArgs
@@ -22,12 +23,25 @@ from pegainfer.core.sampling.sampling_params import SamplingParams
         ("min_tokens", -1, "min_tokens"),
         ("seed", 2**64, "seed"),
         ("stop", [""], "stop"),
+        ("min_tokens", 2**64, "min_tokens"),
+        ("max_tokens", 2**63, "max_tokens"),
+        ("stop_token_ids", [2**64], "stop_token_ids"),
+        ("logit_bias", {2**64: 1.0}, "logit_bias"),
     ],
 )
 def test_out_of_range_sampling_values(field, value, message):
     with pytest.raises(InvalidRequestError, match=message) as err:
         SamplingParams(**{field: value}).validate()
     assert err.value.param == field
+
+
+def test_validated_params_always_cross_the_message_boundary():
+    """What `validate` accepts the engine's message encoding can carry (no OverflowError)."""
+    big = 2**63 - 1
+    params = SamplingParams(
+        max_tokens=None, min_tokens=big, seed=-big - 1, stop_token_ids=[big], logit_bias={big: 1}
+    ).validate()
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams) == params
 
 
 def test_min_tokens_above_max_tokens():

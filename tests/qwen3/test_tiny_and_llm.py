@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.core.tiny import main as tiny_main
 from pegainfer.models.qwen3.line import Qwen3Line
 from tests.qwen3.hf_reference import load_hf, load_ours
 from tests.qwen3.test_forward_vs_hf import PagedRunner, assert_close, hf_logits
@@ -208,3 +209,32 @@ def test_the_serving_path_imports_neither_transformers_nor_sympy(tiny):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_tiny_cli_leaves_nothing_behind_when_writing_fails(tmp_path, monkeypatch):
+    """It once left a half-written folder (numpy missing mid-write) that then failed to load."""
+
+    def fail_halfway(self, out_dir, **kwargs):
+        (out_dir / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Qwen3Line, "write_tiny_checkpoint", fail_halfway)
+    with pytest.raises(OSError, match="disk full"):
+        tiny_main(["qwen3", str(tmp_path / "tiny")])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tiny_cli_replaces_an_older_checkpoint_whole(tmp_path):
+    out = tmp_path / "tiny"
+    assert tiny_main(["qwen3", str(out), "--num-shards", "2"]) == 0
+    assert tiny_main(["qwen3", str(out), "--set", "num_hidden_layers=1"]) == 0
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    assert not list(out.glob("model-*.safetensors"))  # nothing of the older one is left
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny"]
+
+
+def test_tiny_cli_will_not_replace_a_folder_that_holds_no_checkpoint(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert tiny_main(["qwen3", str(tmp_path)]) == 2
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert "holds no checkpoint" in capsys.readouterr().err

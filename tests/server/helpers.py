@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import Server
@@ -120,3 +123,14 @@ def assert_serving(url: str, model: str | None = None, headers: dict[str, str] |
     response = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def listen_backlog(url: str) -> int:
+    """The accept queue's length of the socket listening at `url` (`ss` shows it as Send-Q)."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2) to read a listening socket's backlog")
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True)
+    fields = out.stdout.split()
+    assert fields and fields[0] == "LISTEN", out.stdout
+    return int(fields[2])

@@ -16,12 +16,14 @@ import openai
 import pytest
 from openai import OpenAI
 
+from pegainfer.server.cli import main
 from tests.server.conftest import Server, start_server, stop_server
 from tests.server.helpers import (
     MESSAGES,
     PROMPT,
     assert_error,
     assert_serving,
+    listen_backlog,
     metrics,
     sse_payloads,
 )
@@ -48,6 +50,7 @@ def guarded(tiny_model, tmp_path_factory) -> Iterator[Server]:
         "--served-model-name", *ALIASES,
         "--max-request-bytes", str(MAX_BYTES),
         "--max-waiting-requests", "1",
+        "--backlog", "300",
         env=base_env(),
     )  # fmt: skip
     yield server
@@ -68,6 +71,7 @@ V1_CALLS = [
     ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
     ("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True}),
+    ("POST", "/invocations", {"prompt": PROMPT, "max_tokens": 2}),  # generates, so guarded too
 ]
 
 
@@ -101,6 +105,15 @@ def test_flag_key_guards_v1_only(guarded):
 
 def test_environment_key_guards_v1_only(env_keyed):
     check_key_required(env_keyed.url, "from-the-environment")
+
+
+@pytest.mark.parametrize("order", ["key-last", "key-first"])
+def test_two_authorization_headers_are_refused(guarded, order):
+    headers = [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")]
+    if order == "key-first":
+        headers.reverse()
+    response = httpx.get(guarded.url + "/v1/models", headers=headers, timeout=30)
+    assert_error(response, 401, code="invalid_api_key", contains="one Authorization header")
 
 
 def test_sdk_with_wrong_and_right_key(guarded):
@@ -222,3 +235,42 @@ def test_waiting_limit_answers_503_to_streams_too(guarded):
             payloads = sse_payloads(response.content)
             assert all("error" not in p for p in payloads), payloads
             assert sum(len(p["choices"]) for p in payloads) == 4
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+        ("/v1/completions", {"prompt": [PROMPT, PROMPT], "stream": True}, "prompt"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 2, "stream": True}, "n"),
+    ],
+    ids=["completions-n", "completions-prompts-stream", "chat-n-stream"],
+)
+def test_a_request_larger_than_the_waiting_limit_is_400_not_503(guarded, path, body, param):
+    """It can never be admitted, so a 503 with Retry-After would have the client retry forever."""
+    response = httpx.post(guarded.url + path, json=body | {"max_tokens": 2}, headers=AUTH,
+                          timeout=30)  # fmt: skip
+    error = assert_error(response, 400, param=param, contains="--max-waiting-requests")
+    assert "retry-after" not in response.headers, error
+
+
+# ------------------------------------------------------------------------ listen backlog
+
+
+def _somaxconn() -> int:
+    with open("/proc/sys/net/core/somaxconn") as f:
+        return int(f.read())
+
+
+def test_listen_backlog_defaults_to_2048(env_keyed):
+    """Hypercorn's own default (100) reset 7-25% of a 1,024-connection burst."""
+    assert listen_backlog(env_keyed.url) == min(2048, _somaxconn())
+
+
+def test_backlog_flag_sets_the_listen_queue(guarded):
+    assert listen_backlog(guarded.url) == 300
+
+
+def test_backlog_below_one_is_refused(capsys):
+    assert main(["--model-path", "/nonexistent", "--backlog", "0"]) == 2
+    assert "--backlog" in capsys.readouterr().err

@@ -133,3 +133,21 @@ def test_disconnected_non_streaming_request_is_aborted(server):
             what="the request to start running",
         )
     wait_until(lambda: idle_after_aborts(server.url, aborts_before + 1), what="abort to free")
+
+
+def test_a_client_that_stops_reading_has_its_stream_ended(server):
+    """Nothing bounded what the server buffered for a client that does not read its stream
+    (one n=64, logprobs=20 stream grew the server by 216 MB): past a limit the answer ends."""
+    aborts_before = aborts(server.url)
+    body = json.dumps({"prompt": "x", "max_tokens": LONG, "ignore_eos": True, "n": NUM_STREAMS,
+                       "logprobs": 20, "stream": True}).encode()  # fmt: skip
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # read nothing, hold little
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        # Every choice is aborted long before its 480 tokens, while the client holds on.
+        wait_until(lambda: aborts(server.url) >= aborts_before + NUM_STREAMS, timeout=120,
+                   what="the unread stream's requests aborted")  # fmt: skip
+    wait_until(lambda: idle_after_aborts(server.url, aborts_before + NUM_STREAMS),
+               what="idle engine")  # fmt: skip

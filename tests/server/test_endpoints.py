@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server.helpers import MESSAGES, tokenize
+from tests.server.helpers import MESSAGES, assert_error, sse_payloads, tokenize
 
 
 def test_health(server):
@@ -83,3 +83,63 @@ def test_logit_bias_steers_every_token(server):
     sixes = httpx.post(f"{server.url}/detokenize", timeout=30,
                        json={"model": server.model, "tokens": [42] * 6}).json()  # fmt: skip
     assert forced["choices"][0]["text"] == sixes["prompt"] != plain["choices"][0]["text"]
+
+
+def test_one_model_by_name(server):
+    listed = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
+    response = httpx.get(server.url + "/v1/models/" + server.model, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json() == listed
+    response = httpx.get(server.url + "/v1/models/gpt-4", timeout=30)
+    assert_error(response, 404, param="model", code="model_not_found")
+
+
+def test_invocations_serves_chat_and_completions(server):
+    chat = {"messages": MESSAGES, "max_tokens": 2}
+    response = httpx.post(server.url + "/invocations", json=chat, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "chat.completion"
+    completion = {"prompt": "Hello", "max_tokens": 2, "stream": True}
+    response = httpx.post(server.url + "/invocations", json=completion, timeout=30)
+    assert response.status_code == 200, response.text
+    assert sse_payloads(response.content)[0]["object"] == "text_completion"
+    response = httpx.post(server.url + "/invocations", json={"max_tokens": 2}, timeout=30)
+    assert_error(response, 400, contains="messages")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("GET", "/no/such/route", 404, "not_found"),
+        ("POST", "/v1/embeddings", 404, "not_found"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("DELETE", "/health", 405, "method_not_allowed"),
+    ],
+)
+def test_unknown_routes_and_methods_are_json_errors(server, method, path, status, code):
+    response = httpx.request(method, server.url + path, timeout=30)
+    assert_error(response, status, code=code, contains=path)
+    if status == 405:
+        assert "GET" in response.headers["allow"] or "POST" in response.headers["allow"]
+
+
+def test_tokenize_renders_tools_and_returns_token_strings(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    plain = tokenize(server, messages=MESSAGES)
+    with_tools = tokenize(server, messages=MESSAGES, tools=tools)
+    assert len(with_tools) > len(plain)
+    text = httpx.post(server.url + "/detokenize", json={"tokens": with_tools}, timeout=30)
+    assert "get_weather" in text.json()["prompt"]
+    body = {"prompt": "Hello world", "return_token_strs": True}
+    payload = httpx.post(server.url + "/tokenize", json=body, timeout=30).json()
+    assert len(payload["token_strs"]) == payload["count"]
+    assert "".join(payload["token_strs"]).replace("Ġ", " ") == "Hello world"
+    plain_payload = httpx.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=30).json()
+    assert plain_payload["token_strs"] is None
+
+
+def test_a_developer_message_is_rendered_as_system(server):
+    """Qwen3's template has no developer role: it was silently left out of the prompt."""
+    as_system = tokenize(server, messages=MESSAGES)
+    developer = [{"role": "developer", "content": MESSAGES[0]["content"]}, *MESSAGES[1:]]
+    assert tokenize(server, messages=developer) == as_system

@@ -108,13 +108,6 @@ BAD_REQUESTS = {
     ),
     "unknown-model": (COMPLETIONS, completion(model="gpt-4"), 404, "model", "gpt-4"),
     "unknown-model-chat": (CHAT, chat(model="gpt-4"), 404, "model", "gpt-4"),
-    "continuous-usage": (
-        COMPLETIONS,
-        completion(stream=True, stream_options={"continuous_usage_stats": True}),
-        400,
-        "stream_options.continuous_usage_stats",
-        None,
-    ),
     "tool-message-without-call-id": (
         CHAT,
         {
@@ -167,7 +160,14 @@ BAD_REQUESTS = {
         "logit_bias",
         "vocabulary",
     ),
-    "prompt-logprobs": (COMPLETIONS, completion(prompt_logprobs=1), 400, "prompt_logprobs", None),
+    "prompt-logprobs-streamed": (
+        COMPLETIONS,
+        completion(prompt_logprobs=1, stream=True),
+        400,
+        "prompt_logprobs",
+        "stream",
+    ),
+    "prompt-logprobs-too-many": (CHAT, chat(prompt_logprobs=21), 400, "prompt_logprobs", "20"),
     "logprobs-negative": (COMPLETIONS, completion(logprobs=-1), 400, "logprobs", ">= 0"),
     "logprobs-too-many": (COMPLETIONS, completion(logprobs=21), 400, "logprobs", "20"),
     "logprobs-bool-on-completions": (COMPLETIONS, completion(logprobs=True), 400, "logprobs", None),
@@ -202,12 +202,37 @@ BAD_REQUESTS = {
         "one output constraint",
     ),
     "bad-regex": (COMPLETIONS, completion(guided_regex="[a-"), 400, "guided_regex", "regex"),
+    # Found when compiled against the tokenizer, yet named by the field the client sent.
     "bad-json-schema": (
         COMPLETIONS,
         completion(structured_outputs={"json": {"type": "nonsense"}}),
         400,
-        "json_schema",  # found when compiled against the tokenizer, which knows no field names
+        "structured_outputs.json",
         "nonsense",
+    ),
+    "bad-guided-json": (
+        CHAT,
+        chat(guided_json={"type": "nonsense"}),
+        400,
+        "guided_json",
+        "nonsense",
+    ),
+    "bad-response-format-schema": (
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}),
+        400,
+        "response_format",
+        None,
+    ),
+    "bad-tool-parameters": (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}],
+            tool_choice="required",
+        ),
+        400,
+        "tool_choice",
+        None,
     ),
     "unknown-structured-output": (
         COMPLETIONS,
@@ -381,3 +406,119 @@ def test_huge_top_k_does_not_kill_the_engine(own_server):
         assert_error(response, 400, param="top_k")
     assert httpx.get(own_server.url + "/health", timeout=30).status_code == 200
     assert_serving(own_server.url)
+
+
+# Every integer field a request may carry, and an endpoint that reads it.
+_COMPLETION_INTS = ("max_tokens", "min_tokens", "top_k", "seed", "n", "best_of",
+                    "prompt_logprobs", "logprobs", "top_logprobs", "stop_token_ids")  # fmt: skip
+_CHAT_INTS = ("max_completion_tokens", "max_tokens", "min_tokens", "n")
+INTEGER_FIELDS = [(COMPLETIONS, n) for n in _COMPLETION_INTS] + [(CHAT, n) for n in _CHAT_INTS]
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**64)], ids=["2**64", "-2**64"])
+@pytest.mark.parametrize(
+    ("path", "name"), INTEGER_FIELDS, ids=[f"{p[4:]}-{n}" for p, n in INTEGER_FIELDS]
+)
+def test_integer_fields_out_of_range_are_400(server, path, name, value):
+    body = completion() if path == COMPLETIONS else chat()
+    body[name] = [value] if name == "stop_token_ids" else value
+    if name == "min_tokens":
+        body["max_tokens"] = None  # nothing else bounds it then
+    assert_error(post(server, path, body), 400, param=name)
+
+
+def test_a_burst_of_huge_min_tokens_leaves_the_server_serving(tiny_model, tmp_path):
+    """Such a request once got a 500 and kept its waiting slot: a few filled the queue for good."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    running = start_server(tiny_model, tmp_path / "server.log", "--max-waiting-requests", "2",
+                           env=env)  # fmt: skip
+    try:
+        for _ in range(3):
+            body = {"prompt": "x", "min_tokens": 2**64, "max_tokens": None}
+            assert_error(post(running, COMPLETIONS, body), 400, param="min_tokens")
+            body = {"messages": MESSAGES, "min_tokens": 2**64}
+            assert_error(post(running, CHAT, body), 400, param="min_tokens")
+        assert_serving(running.url)
+        assert "Traceback" not in running.logs()
+    finally:
+        stop_server(running)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [1_000, 20_000])
+@pytest.mark.parametrize(
+    ("path", "template"),
+    [
+        (COMPLETIONS, '{"prompt": "x", "max_tokens": 1, "metadata": {"a": %s}}'),
+        (COMPLETIONS, '{"prompt": "x", "max_tokens": 1, "not_a_field": %s}'),
+        (COMPLETIONS, '{"prompt": %s, "max_tokens": 1}'),
+        (COMPLETIONS, '{"prompt": "x", "max_tokens": 1, "guided_json": {"items": %s}}'),
+        (
+            CHAT,
+            '{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": %s}}',
+        ),
+        (CHAT, '{"messages": [{"role": "user", "content": "x"}], "tools": %s}'),
+    ],
+    ids=["metadata", "unknown-field", "prompt", "guided-json", "chat-template-kwargs", "tools"],
+)
+def test_deeply_nested_json_is_a_400(server, path, template, depth):
+    response = post(server, path, (template % _nested(depth)).encode())
+    assert_error(response, 400, contains="nested too deeply")
+    assert "Traceback" not in server.logs()
+
+
+def test_an_unknown_model_name_is_not_echoed_whole(server):
+    response = post(server, COMPLETIONS, completion(model="m" * 1_000_000))
+    error = assert_error(response, 404, param="model", code="model_not_found")
+    assert len(response.content) < 2_000, error["message"][:200]
+    assert "1000000 characters" in error["message"]
+
+
+# vLLM's and OpenAI's request fields that change the output and are not implemented, each set
+# to something other than its "off" value: a 400 naming it, never a silent 200.
+REFUSED_FIELDS = [
+    (COMPLETIONS, "use_beam_search", True),
+    (COMPLETIONS, "length_penalty", 0.5),
+    (COMPLETIONS, "priority", 5),
+    (COMPLETIONS, "logits_processors", ["my.module:Processor"]),
+    (COMPLETIONS, "structural_tag", '{"type": "structural_tag"}'),
+    (COMPLETIONS, "guided_whitespace_pattern", " *"),
+    (COMPLETIONS, "vllm_xargs", {"x": 1}),
+    (COMPLETIONS, "kv_transfer_params", {"do_remote_prefill": True}),
+    (COMPLETIONS, "prompt_embeds", "AAAA"),
+    (CHAT, "echo", True),
+    (CHAT, "add_special_tokens", True),
+    (CHAT, "reasoning_effort", "high"),
+    (CHAT, "documents", [{"title": "t", "text": "x"}]),
+    (CHAT, "mm_processor_kwargs", {"fps": 2}),
+    (CHAT, "modalities", ["text", "audio"]),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
+    (CHAT, "prediction", {"type": "content", "content": "x"}),
+    (CHAT, "web_search_options", {}),
+    (CHAT, "function_call", {"name": "f"}),
+    (CHAT, "use_beam_search", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "name", "value"), REFUSED_FIELDS, ids=[f"{p[4:]}-{n}" for p, n, _ in REFUSED_FIELDS]
+)
+def test_fields_we_cannot_honour_are_refused_by_name(server, path, name, value):
+    body = (completion() if path == COMPLETIONS else chat()) | {name: value}
+    assert_error(post(server, path, body), 400, param=name, contains=name)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (COMPLETIONS, completion(use_beam_search=False, length_penalty=1.0, priority=0)),
+        (CHAT, chat(echo=False, add_special_tokens=False, modalities=["text"])),
+    ],
+    ids=["completions", "chat"],
+)
+def test_refusable_fields_at_their_off_values_are_accepted(server, path, body):
+    response = post(server, path, body)
+    assert response.status_code == 200, response.text

@@ -8,6 +8,9 @@ import math
 import openai
 import pytest
 
+from pegainfer.core.engine.messages import TokenLogprob
+from pegainfer.server.logprobs import LogprobsFormatter
+
 
 @pytest.fixture(scope="module")
 def client(server):
@@ -32,7 +35,34 @@ def test_completions_shape(client, server):
 def test_completions_zero_means_the_sampled_token_only(client, server):
     reply = client.completions.create(model=server.model, prompt="Hi", max_tokens=4, logprobs=0)
     lp = reply.choices[0].logprobs
-    assert len(lp.token_logprobs) == 4 and all(top == {} for top in lp.top_logprobs)
+    assert len(lp.token_logprobs) == 4
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top == {token: logprob}
+
+
+def test_completions_top_logprobs_include_the_sampled_token(client, server):
+    """OpenAI: up to logprobs + 1 entries, the chosen token always among them."""
+    reply = client.completions.create(model=server.model, prompt="Hi", max_tokens=16,
+                                      temperature=1.5, seed=3, logprobs=1)  # fmt: skip
+    lp = reply.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+        assert max(top.values()) >= logprob
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # some sampled token was not the top
+
+
+def test_completions_top_logprobs_keep_tokens_that_decode_alike():
+    """Byte pieces of one character each decode to U+FFFD: no entry may be lost to that."""
+
+    class BytePieces:
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            return "\ufffd" if ids[0] >= 100 else f"t{ids[0]}"
+
+    formatter = LogprobsFormatter(BytePieces())  # type: ignore[arg-type]
+    entry = TokenLogprob(101, -1.0, 2, [(102, -0.5), (101, -1.0), (7, -2.0), (103, -3.0)])
+    assert formatter.completion([entry]).top_logprobs == [
+        {"\ufffd": -1.0, "token_id:102": -0.5, "t7": -2.0, "token_id:103": -3.0}
+    ]
 
 
 def test_chat_shape_matches_its_stream(client, server):

@@ -9,11 +9,13 @@ import os
 import shutil
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from pegainfer.models.qwen3.tiny import write_tiny_qwen3
 from tests.server.conftest import start_server, stop_server
+from tests.server.helpers import sse_payloads
 
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 SCRIPTS = [
@@ -64,14 +66,17 @@ def ask(client, server, messages, stream=False, **kwargs):
             calls,
             choice.finish_reason,
         )
-    content, reasoning, calls, reason = "", "", [], None
+    content, reasoning, reason = "", "", None
+    streamed: dict[int, list] = {}  # a call's index -> [name, arguments so far, id]
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         reasoning += getattr(delta, "reasoning_content", None) or ""
-        calls += [(c.function.name, json.loads(c.function.arguments), c.id)
-                  for c in delta.tool_calls or []]  # fmt: skip
+        for c in delta.tool_calls or []:  # a call's first piece names it; more of it follow
+            call = streamed.setdefault(c.index, [c.function.name, "", c.id])
+            call[1] += c.function.arguments or ""
         reason = chunk.choices[0].finish_reason or reason
+    calls = [(name, json.loads(arguments), id_) for name, arguments, id_ in streamed.values()]
     return content or None, reasoning or None, calls, reason
 
 
@@ -111,3 +116,70 @@ def test_three_seeded_choices_differ_and_repeat(scripted):
     again = [c.message.content for c in client.chat.completions.create(**kwargs).choices]
     assert first == again and len(set(first)) == 3
     assert all(text.startswith("Yours: ") and text[7:15].isdigit() for text in first)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_comes_under_both_names_and_is_counted(scripted, stream):
+    """vLLM's current `reasoning` beside `reasoning_content`, and usage's reasoning_tokens."""
+    server, _ = scripted
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Plan my day"}],
+            "max_tokens": 100, "stream": stream}  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    response = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = sse_payloads(response.content)
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+        assert reasoning == "".join(d.get("reasoning_content") or "" for d in deltas)
+        usage = chunks[-1]["usage"]
+    else:
+        payload = response.json()
+        message = payload["choices"][0]["message"]
+        reasoning = message["reasoning"]
+        assert reasoning == message["reasoning_content"]
+        usage = payload["usage"]
+    assert reasoning.strip() == "The user wants a plan."
+    counted = httpx.post(server.url + "/tokenize", json={"prompt": reasoning}, timeout=30)
+    reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert reasoning_tokens == counted.json()["count"] < usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_reasoning_false_leaves_the_thinking_out(scripted, stream):
+    server, client = scripted
+    messages = [{"role": "user", "content": "Plan my day"}]
+    content, reasoning, _, _ = ask(client, server, messages, stream,
+                                   extra_body={"include_reasoning": False})  # fmt: skip
+    assert reasoning is None and content.strip() == "Wake up, then work."
+
+
+def test_a_streamed_tool_call_sends_no_empty_deltas(scripted):
+    """Each token held back inside <tool_call>...</tool_call> was one empty delta."""
+    server, _ = scripted
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": TOOLS, "max_tokens": 100, "stream": True}  # fmt: skip
+    raw = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).content
+    choices = [c["choices"][0] for c in sse_payloads(raw) if c["choices"]]
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+    for choice in choices[1:]:
+        delta = choice["delta"]
+        assert delta.get("content") or delta.get("tool_calls") or choice["finish_reason"], choice
+    assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_hermes_call_streams_its_arguments_as_they_arrive(scripted):
+    """They came in one piece after the closing tag; now as vLLM's parsers send them: the
+    call's id and name first, then its arguments in pieces."""
+    server, _ = scripted
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": TOOLS, "max_tokens": 100, "stream": True}  # fmt: skip
+    raw = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).content
+    pieces = [call for c in sse_payloads(raw) if c["choices"]
+              for call in c["choices"][0]["delta"].get("tool_calls") or []]  # fmt: skip
+    first, *rest = pieces
+    assert first["id"].startswith("call_") and first["function"]["name"] == "weather"
+    assert len(rest) > 1 and all(set(p) == {"index", "function"} for p in rest)
+    arguments = first["function"]["arguments"] + "".join(p["function"]["arguments"] for p in rest)
+    assert json.loads(arguments) == {"city": "Paris"}

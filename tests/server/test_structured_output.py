@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
 from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
+from tests.server.helpers import assert_error, assert_serving, sse_payloads
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "warm"],
           "properties": {"city": {"type": "string", "maxLength": 6},
@@ -74,3 +76,26 @@ def test_completions_constraints(client, server, extra, check):
                                       max_tokens=60, seed=2, extra_body=extra)  # fmt: skip
     for choice in reply.choices:
         assert check(choice.text), choice.text
+
+
+def test_a_grammar_failing_on_its_first_mask_is_a_400(server):
+    body = {"prompt": "x", "max_tokens": 5, "guided_json": {"$ref": "#"}}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert_error(response, 400, param="guided_json")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_failing_mid_generation_ends_with_an_error_not_stop(server, stream):
+    """It answered finish_reason "stop" with text that broke the regex, and logged nothing."""
+    body = {"prompt": "x", "max_tokens": 50, "guided_regex": "(a{1000}){1000}", "stream": stream}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    if stream:
+        assert response.status_code == 200
+        payloads = sse_payloads(response.content)
+        assert "error" in payloads[-1] and all(
+            c["choices"][0]["finish_reason"] != "stop" for c in payloads[:-1]
+        )
+    else:
+        assert_error(response, 500)
+    assert "grammar failed" in server.logs()
+    assert_serving(server.url)

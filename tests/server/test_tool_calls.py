@@ -11,7 +11,8 @@ import pytest
 
 from pegainfer.server.chat import AnswerParser
 from pegainfer.server.reasoning import ThinkSplitter
-from pegainfer.server.tool_calls import TOOL_CALL_PARSERS
+from pegainfer.server.structured import forced_tool_calls
+from pegainfer.server.tool_calls import TOOL_CALL_PARSERS, HermesToolCalls, whole_calls
 from tests.server.conftest import start_server, stop_server
 
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -31,8 +32,8 @@ def parse(pieces: list[str], kind: str = "hermes") -> tuple[str, list[tuple[str,
     for n, piece in enumerate(pieces):
         _, text, new = parser.feed(piece, last=n == len(pieces) - 1)
         content += text
-        calls += [(c.name, json.loads(c.arguments)) for c in new]
-    return content, calls
+        calls += new
+    return content, [(c.name, json.loads(c.arguments)) for c in whole_calls(calls)]
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), CASES)
@@ -149,3 +150,94 @@ def test_forced_tool_choice_is_decoded_into_calls(tool_server, choice, stream):
             assert call.function.name == choice or choice == "required"
             assert call.function.name in {"weather", "tides"} and call.id.startswith("call_")
             check_arguments(call.function.arguments)
+
+
+def _nested_tool(name: str, field: str, model: dict) -> dict:
+    """A tool as pydantic writes a nested model: the model in $defs, used through $ref."""
+    parameters = {
+        "type": "object",
+        "properties": {field: {"$ref": "#/$defs/Place"}},
+        "required": [field],
+        "additionalProperties": False,
+        "$defs": {"Place": model},
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+# Two tools whose nested models share a name but not a shape.
+NESTED = [
+    _nested_tool("ship", "to", {"type": "object", "properties": {"city": {"enum": ["Oslo"]}},
+                                "required": ["city"], "additionalProperties": False}),
+    _nested_tool("moor", "at", {"type": "object", "properties": {"port": {"enum": [1, 2]}},
+                                "required": ["port"], "additionalProperties": False}),
+]  # fmt: skip
+
+
+def test_required_tool_choice_keeps_each_tools_definitions(tool_server):
+    """$defs and $ref in tool parameters (every nested pydantic model) once gave a 400:
+    wrapped into one schema, the pointers no longer resolved."""
+    client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
+    allowed = {
+        "ship": [{"to": {"city": "Oslo"}}],
+        "moor": [{"at": {"port": 1}}, {"at": {"port": 2}}],
+    }
+    for seed in range(3):
+        choice = client.chat.completions.create(
+            model=tool_server.model, tools=NESTED, tool_choice="required", max_tokens=200,
+            seed=seed, temperature=1.0, messages=[{"role": "user", "content": "Ship it"}],
+        ).choices[0]  # fmt: skip
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert json.loads(call.function.arguments) in allowed[call.function.name]
+
+
+def test_required_tool_choice_rebases_a_recursive_tool():
+    """A "#" reference (the tool's own parameters) must point at them, not at the wrapper."""
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}, "n": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    output, _ = forced_tool_calls(tools, "required")
+    schema = json.loads(output.spec)
+    assert schema["$defs"]["tool0"]["properties"]["child"] == {"$ref": "#/$defs/tool0"}
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_parsed_call():
+    text = "Let me check." + CALL + CALL.replace("Paris", "Oslo")
+    for i, j in itertools.combinations_with_replacement(range(0, len(text) + 1, 7), 2):
+        parser, calls = AnswerParser(None, TOOL_CALL_PARSERS["hermes"], max_calls=1), []
+        for n, piece in enumerate((text[:i], text[i:j], text[j:])):
+            calls += parser.feed(piece, last=n == 2)[2]
+        assert [json.loads(c.arguments)["city"] for c in whole_calls(calls)] == ["Paris"], (i, j)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_makes_required_one_call(tool_server, stream):
+    """It was not enforced: two calls in 4 of 6 seeds."""
+    client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
+    for seed in range(6):
+        kwargs = dict(model=tool_server.model, tools=BOUNDED, tool_choice="required",
+                      parallel_tool_calls=False, max_tokens=200, seed=seed, temperature=1.0,
+                      messages=[{"role": "user", "content": "Weather in Paris?"}])  # fmt: skip
+        if stream:
+            chunks = client.chat.completions.create(stream=True, **kwargs)
+            calls = [
+                call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []
+            ]
+        else:
+            calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        assert len(calls) == 1, (seed, calls)
+        check_arguments(calls[0].function.arguments)
+
+
+def test_hermes_arguments_go_out_as_they_arrive():
+    """Fed a character at a time: the call's id and name once they are known, then its
+    arguments in pieces, all before the closing tag."""
+    parser, pieces = HermesToolCalls(), []
+    for char in CALL[: -len("</tool_call>")]:
+        content, new = parser.feed(char)
+        assert content == ""
+        pieces += new
+    first, *rest = pieces
+    assert (first.name, first.arguments) == ("weather", "") and first.id.startswith("call_")
+    assert len(rest) > 5 and all(p.id is None and p.index == first.index for p in rest)
+    assert json.loads("".join(p.arguments for p in rest)) == {"city": "Paris", "days": 2}
+    assert parser.feed("</tool_call>") == ("", [])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from importlib.metadata import entry_points
 from typing import Any
 
 import pluggy
@@ -56,6 +57,19 @@ class _Specs:
         """Return tool-call parsers by name: classes whose instances parse one answer."""
 
 
+#: Installed plugins that could not be loaded, by entry-point name: why. A broken plugin is
+#: left out (and logged) so that the other families still serve; a checkpoint no loaded line
+#: claims lists these in its error.
+LOAD_FAILURES: dict[str, str] = {}
+
+_HOOKS = {name for name in dir(_Specs) if name.startswith(f"{PROJECT}_")}
+
+
+def _allowed_plugins() -> set[str] | None:
+    allowed = os.environ.get("PEGAINFER_PLUGINS")
+    return None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+
+
 def create_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     """A plugin manager with our hook specs and, by default, every installed plugin.
 
@@ -64,15 +78,44 @@ def create_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManage
     """
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(_Specs)
-    if load_entry_points:
-        allowed = os.environ.get("PEGAINFER_PLUGINS")
-        if allowed is None:
-            pm.load_setuptools_entrypoints(PROJECT)
-        else:
-            for name in filter(None, (n.strip() for n in allowed.split(","))):
-                pm.load_setuptools_entrypoints(PROJECT, name=name)
-        logger.debug("pegainfer plugins: %s", [n for n, _ in pm.list_name_plugin()])
+    if not load_entry_points:
+        return pm
+    allowed = _allowed_plugins()
+    installed = entry_points(group=PROJECT)
+    LOAD_FAILURES.clear()
+    for name in sorted((allowed or set()) - set(installed.names)):
+        logger.warning("PEGAINFER_PLUGINS names %r, which no installed plugin has; installed: %s",
+                       name, ", ".join(sorted(installed.names)) or "none")  # fmt: skip
+    for entry in installed:
+        if (allowed is not None and entry.name not in allowed) or pm.has_plugin(entry.name):
+            continue
+        try:
+            plugin = entry.load()
+            check_plugin(plugin)
+            pm.register(plugin, name=entry.name)
+        except Exception as exc:  # any failure of third-party code: left out, said why
+            reason = f"{type(exc).__name__}: {exc}"
+            LOAD_FAILURES[entry.name] = reason
+            logger.error("left out the pegainfer plugin %r (%s): %s; fix or uninstall it, or "
+                         "choose the plugins to load with PEGAINFER_PLUGINS",
+                         entry.name, entry.value, reason)  # fmt: skip
+    logger.debug("pegainfer plugins: %s", [n for n, _ in pm.list_name_plugin()])
     return pm
+
+
+def check_plugin(plugin: object) -> None:
+    """Refuse a plugin whose hooks would be ignored without a word: a `pegainfer_*` function
+    that is no hook we know (a typo) or that lacks `@hookimpl`, or no hook at all."""
+    hooks = [name for name in dir(plugin) if name.startswith(f"{PROJECT}_")]
+    for name in hooks:
+        if name not in _HOOKS:
+            raise ModelLineError(
+                f"{name} is not a pegainfer hook; hooks: {', '.join(sorted(_HOOKS))}"
+            )
+        if getattr(getattr(plugin, name), f"{PROJECT}_impl", None) is None:
+            raise ModelLineError(f"{name} is not decorated with pegainfer.core.plugins.hookimpl")
+    if not hooks:
+        raise ModelLineError(f"it defines none of the hooks {', '.join(sorted(_HOOKS))}")
 
 
 def model_lines(pm: pluggy.PluginManager | None = None) -> list[ModelLine]:
@@ -116,7 +159,22 @@ def detect_model_line(config: dict[str, Any], lines: list[ModelLine]) -> ModelLi
     extra = KNOWN_FAMILIES.get(str(model_type))
     if extra is None and isinstance(config.get("text_config"), dict):
         extra = KNOWN_FAMILIES.get(str(config["text_config"].get("model_type")))
-    if extra is not None and extra not in {line.name for line in lines}:
+    if extra is None:
+        families = ", ".join(sorted(KNOWN_FAMILIES))
+        message += f" pegainfer has no model line for it (its families: {families})."
+    elif extra in LOAD_FAILURES:
+        message += f" Its line {extra!r} is installed but failed to load: {LOAD_FAILURES[extra]}."
+    elif (
+        (allowed := _allowed_plugins()) is not None
+        and extra not in allowed
+        and (extra in entry_points(group=PROJECT).names)
+    ):
+        message += (f" Its line {extra!r} is installed but not loaded: PEGAINFER_PLUGINS="
+                    f"{os.environ['PEGAINFER_PLUGINS']!r} leaves it out.")  # fmt: skip
+    else:
         message += f" It belongs to the {extra!r} family: pip install 'pegainfer[{extra}]'."
     message += "\nInstalled lines:\n" + (lines_text or "  (none)")
+    failed = "".join(f"\n  - {name}: {why}" for name, why in sorted(LOAD_FAILURES.items()))
+    if failed:
+        message += "\nPlugins that failed to load:" + failed
     raise ModelLineError(message)

@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = {line.name: line for line in model_lines()}
     parser = argparse.ArgumentParser(prog="pegainfer-tiny", description=__doc__.split("\n")[0])
     parser.add_argument("line", choices=sorted(lines), help="model line (installed families)")
-    parser.add_argument("out_dir", type=Path, help="directory to write the checkpoint into")
+    parser.add_argument(
+        "out_dir",
+        type=Path,
+        help="directory to write the checkpoint into (an older one there "
+        "is replaced once the new one is complete)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--num-shards", type=int, default=1, help="safetensors files to write")
     parser.add_argument(
@@ -64,11 +73,42 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config.json field (VALUE parsed as JSON), e.g. --set num_hidden_layers=4",
     )
     args = parser.parse_args(argv)
-    lines[args.line].write_tiny_checkpoint(
-        args.out_dir, seed=args.seed, num_shards=args.num_shards, **dict(args.overrides)
-    )
+    line = lines[args.line]
+    out = args.out_dir
+    if (
+        out.exists()
+        and (not out.is_dir() or any(out.iterdir()))
+        and not (out / "config.json").exists()
+    ):
+        print(f"pegainfer-tiny: {out} exists and holds no checkpoint; not replacing it",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    with _written_whole(args.out_dir) as staging:
+        line.write_tiny_checkpoint(
+            staging, seed=args.seed, num_shards=args.num_shards, **dict(args.overrides)
+        )
     print(f"wrote a tiny {args.line} checkpoint to {args.out_dir}")
     return 0
+
+
+@contextmanager
+def _written_whole(out_dir: Path) -> Iterator[Path]:
+    """A staging folder beside `out_dir` that becomes `out_dir` (replacing an older one) only
+    once the block succeeds: a failed write leaves no half-written checkpoint behind."""
+    out_dir = out_dir.absolute()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield staging
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            out_dir.rename(old / out_dir.name)
+            staging.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -70,7 +71,7 @@ def _json(payload: msgspec.Struct | dict[str, Any], status: int = 200) -> Respon
 
 
 def build_app(state: ServerState) -> Starlette:
-    async def read_body(request: Request, kind: type[T]) -> T:
+    async def read_json(request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
             raise _too_large(state.max_body_bytes)
@@ -83,51 +84,85 @@ def build_app(state: ServerState) -> Starlette:
             raw = msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise _too_deep() from None
         if not isinstance(raw, dict):
             raise bad_request("the body must be a JSON object")
+        return raw
+
+    def parse(raw: dict[str, Any], kind: type[T]) -> T:
         try:
             parsed = msgspec.convert(raw, kind)
         except msgspec.ValidationError as exc:
             raise bad_request(str(exc), _path_param(str(exc))) from exc
+        except RecursionError:
+            raise _too_deep() from None
         unknown = set(raw) - set(kind.__struct_fields__) - _INFORMATIONAL  # type: ignore[attr-defined]
         for name in sorted(unknown - state.logged_unknown_fields):
             logger.warning("ignoring unknown request field %r (logged once)", name)
             state.logged_unknown_fields.add(name)
         model = getattr(parsed, "model", None)
-        if model is not None and model not in state.model_names:
+        if model is not None:
+            check_model(model)
+        return parsed
+
+    async def read_body(request: Request, kind: type[T]) -> T:
+        return parse(await read_json(request), kind)
+
+    def check_model(model: str) -> None:
+        if model not in state.model_names:
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {state.model_names}",
+                f"the model {_clip(model)!r} does not exist; this server serves "
+                f"{state.model_names}",
                 param="model",
                 code="model_not_found",
             )
-        return parsed
 
-    async def generate(request: Request, kind: type, make_handler: Callable) -> Response:
+    async def generate(
+        request: Request, kind: type, make_handler: Callable, raw: dict[str, Any] | None = None
+    ) -> Response:
         """Completions and chat: parse, then stream SSE or answer once the text is complete."""
         client = state.ready_client()
-        body = await read_body(request, kind)
+        body = parse(raw if raw is not None else await read_json(request), kind)
         handler = make_handler(client, body.model or state.model_names[0])
         if body.stream:
             return _sse(handler.stream(body))
         return _json(await _until_disconnect(request, handler.create(body)))
 
+    def make_chat(client: AsyncEngineClient, name: str) -> Chat:
+        return Chat(client, name, state.reasoning_parser, state.tool_call_parser)
+
     async def completions(request: Request) -> Response:
         return await generate(request, CompletionRequest, Completions)
 
     async def chat_completions(request: Request) -> Response:
-        return await generate(
-            request,
-            ChatCompletionRequest,
-            lambda client, name: Chat(client, name, state.reasoning_parser, state.tool_call_parser),
-        )
+        return await generate(request, ChatCompletionRequest, make_chat)
+
+    async def invocations(request: Request) -> Response:
+        """SageMaker's single endpoint, as vLLM serves it: a chat if the body has messages,
+        else a completion if it has a prompt."""
+        state.ready_client()
+        raw = await read_json(request)
+        if "messages" in raw:
+            return await generate(request, ChatCompletionRequest, make_chat, raw)
+        if "prompt" in raw:
+            return await generate(request, CompletionRequest, Completions, raw)
+        raise bad_request("/invocations needs messages (a chat) or prompt (a completion)")
+
+    def model_cards() -> list[ModelCard]:
+        config = state.ready_client().config
+        root, max_len = str(config.model_dir), config.max_model_len
+        return [ModelCard(name, state.started_at, max_len, root) for name in state.model_names]
 
     async def models(request: Request) -> Response:
-        client = state.ready_client()
-        root = str(client.config.model_dir)
-        max_len = client.config.max_model_len
-        cards = [ModelCard(name, state.started_at, max_len, root) for name in state.model_names]
-        return _json(ModelList(cards))
+        return _json(ModelList(model_cards()))
+
+    async def model(request: Request) -> Response:
+        cards = model_cards()
+        name = request.path_params["name"]
+        check_model(name)
+        return _json(next(card for card in cards if card.id == name))
 
     async def tokenize(request: Request) -> Response:
         client = state.ready_client()
@@ -138,7 +173,9 @@ def build_app(state: ServerState) -> Starlette:
                 tokens = frontend.render_chat(
                     template_messages(body.messages),
                     add_generation_prompt=body.add_generation_prompt,
+                    tools=body.tools or None,
                     chat_template_kwargs=body.chat_template_kwargs,
+                    continue_final_message=body.continue_final_message,
                 )
             elif body.prompt is not None:
                 tokens = frontend.tokenizer.encode(body.prompt, body.add_special_tokens)
@@ -147,7 +184,10 @@ def build_app(state: ServerState) -> Starlette:
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from exc
         max_len = client.config.max_model_len
-        return _json(TokenizeResponse(tokens, len(tokens), max_len))
+        strs = None
+        if body.return_token_strs:
+            strs = [frontend.tokenizer.id_to_token(t) or "" for t in tokens]
+        return _json(TokenizeResponse(tokens, len(tokens), max_len, strs))
 
     async def detokenize(request: Request) -> Response:
         client = state.ready_client()
@@ -175,13 +215,16 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/invocations", invocations, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version_route, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={APIError: _api_error, Exception: _crash})
+    handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _crash}
+    app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
     app.add_middleware(_AuthMiddleware, api_key=state.api_key)
     return app
 
@@ -213,6 +256,16 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
 
 
+def _clip(text: str, limit: int = 128) -> str:
+    """A client's string as quoted back in an error: never all of a huge one."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _too_deep() -> APIError:
+    # msgspec stops at Python's recursion limit, a little under 1,000 levels here.
+    return bad_request("the body's JSON is nested too deeply")
+
+
 def _path_param(message: str) -> str | None:
     """`... - at `$.max_tokens`` → "max_tokens" (msgspec's validation errors name the path)."""
     marker = "at `$."
@@ -233,13 +286,30 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return exc.response()
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) as OpenAI
+    errors, not plain text."""
+    assert isinstance(exc, HTTPException)
+    path = _clip(request.url.path)
+    if exc.status_code == 404:
+        message, code = f"no route {path}", "not_found"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{path} does not take {request.method}; it takes {allowed}"
+        code = "method_not_allowed"
+    else:
+        message, code = exc.detail, None
+    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+
+
 async def _crash(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error serving %s", request.url.path, exc_info=exc)
     return APIError(500, "internal server error", code="internal_error").response()
 
 
 class _AuthMiddleware:
-    """Bearer-token check on `/v1/*` (plain ASGI middleware, so streaming is untouched)."""
+    """Bearer-token check on `/v1/*` and `/invocations` (plain ASGI middleware, so streaming
+    is untouched)."""
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
@@ -249,11 +319,16 @@ class _AuthMiddleware:
         if (
             self.expected is not None
             and scope["type"] == "http"
-            and scope["path"].startswith("/v1/")
+            and (scope["path"].startswith("/v1/") or scope["path"] == "/invocations")
         ):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+            given = [value for name, value in scope["headers"] if name == b"authorization"]
+            # Several Authorization headers are ambiguous (proxies disagree on which one
+            # counts): refused, whichever of them holds the key.
+            if len(given) != 1 or not secrets.compare_digest(given[0], self.expected):
+                message = "invalid or missing API key"
+                if len(given) > 1:
+                    message = f"send one Authorization header, not {len(given)}"
+                error = APIError(401, message, code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

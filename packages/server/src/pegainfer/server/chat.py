@@ -20,6 +20,7 @@ from pegainfer.server.openai_serving import (
     reserve,
     sampling_params,
     sse_stream,
+    truncated,
     usage,
 )
 from pegainfer.server.protocol import (
@@ -35,7 +36,7 @@ from pegainfer.server.protocol import (
 )
 from pegainfer.server.reasoning import ThinkSplitter
 from pegainfer.server.structured import forced_tool_calls
-from pegainfer.server.tool_calls import ForcedToolCalls, TaggedToolCalls, ToolCall
+from pegainfer.server.tool_calls import ForcedToolCalls, TaggedToolCalls, ToolCall, whole_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -54,7 +55,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if any(isinstance(part, ImagePart) for part in content):
                 raise bad_request("this model accepts text only, not images", "messages")
             content = "".join(part.text for part in content)  # type: ignore[union-attr]
-        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        # OpenAI's newer name for system instructions; chat templates know only "system".
+        role = "system" if message.role == "developer" else message.role
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
         if message.tool_calls:
             if message.role != "assistant":
                 raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
@@ -83,9 +86,13 @@ class AnswerParser:
         self,
         reasoning: Callable[[], ThinkSplitter] | None,
         tool_calls: Callable[[], ToolCallParser] | None,
+        max_calls: int | None = None,
     ) -> None:
         self._reasoning = reasoning() if reasoning else None
         self._tools = tool_calls() if tool_calls else None
+        # parallel_tool_calls false: calls after the first are dropped, as vLLM drops them.
+        self._calls_left = max_calls
+        self._dropped: set[int | None] = set()  # indexes of streamed calls left out
 
     def feed(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
@@ -98,7 +105,19 @@ class AnswerParser:
             if last:
                 more_content, more_calls = self._tools.finish()
                 content, calls = content + more_content, calls + more_calls
+            if self._calls_left is not None:
+                calls = [call for call in calls if self._keep(call)]
         return reasoning, content, calls
+
+    def _keep(self, call: ToolCall) -> bool:
+        """Within max_calls: a call's first piece (with its id) counts, later pieces follow it."""
+        if call.id is None:
+            return call.index not in self._dropped
+        if self._calls_left == 0:
+            self._dropped.add(call.index)
+            return False
+        self._calls_left -= 1
+        return True
 
 
 class Chat:
@@ -122,11 +141,13 @@ class Chat:
         each answer goes through."""
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
+        self.logprobs.as_ids = bool(body.return_tokens_as_token_ids)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
         tools = self._tools(body)
-        forced = forced_tool_calls(tools, body.tool_choice)
+        parallel = body.parallel_tool_calls is not False
+        forced = forced_tool_calls(tools, body.tool_choice, parallel)
         logprobs = chat_count(body.logprobs, body.top_logprobs)
         params = sampling_params(self.client, body, max_tokens, logprobs, forced and forced[0])
         try:
@@ -135,16 +156,19 @@ class Chat:
                 add_generation_prompt=body.add_generation_prompt,
                 tools=tools,
                 chat_template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
             )
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param or "messages") from exc
+        prompt_ids = truncated(self.client, prompt_ids, body)
         rid = request_id("chatcmpl")
         requests = [
-            (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body.cache_salt), None)
+            (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body), None)
             for i, p in enumerate(choice_params(params, body.n))
         ]
         tool_calls = self._tool_call_parser(body, forced)
-        return rid, requests, lambda: AnswerParser(self.reasoning_parser, tool_calls)
+        max_calls = None if parallel else 1
+        return rid, requests, lambda: AnswerParser(self.reasoning_parser, tool_calls, max_calls)
 
     def _tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model (none with tool_choice "none")."""
@@ -177,25 +201,47 @@ class Chat:
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
         rid, requests, answer_parser = self.prepare(body)
         streams = await collect(self.client, requests, reserve(self.client, len(requests)))
-        choices = []
+        choices, reasonings = [], []
         for index, stream in enumerate(streams):
-            reasoning, content, calls = answer_parser().feed(stream.text, last=True)
+            reasoning, content, pieces = answer_parser().feed(stream.text, last=True)
+            calls = whole_calls(pieces)
+            reasonings.append(reasoning)
+            shown = reasoning if body.include_reasoning else ""
             message = AssistantMessage(
                 "assistant",
                 content if content or not calls else None,
-                reasoning or None,
-                [call.as_openai() for call in calls] or None,
+                reasoning=shown or None,
+                reasoning_content=shown or None,
+                tool_calls=[call.as_openai() for call in calls] or None,
             )
             reason = stream.finish_reason
             if calls and reason == "stop":
                 reason = "tool_calls"
             logprobs = self.logprobs.chat(stream.logprobs) if body.logprobs else None
-            choices.append(ChatChoice(index, message, logprobs, reason, stream.stop_reason))
-        return ChatCompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
+            token_ids = stream.token_ids if body.return_token_ids else None
+            choices.append(
+                ChatChoice(index, message, logprobs, reason, stream.stop_reason, token_ids)
+            )
+        counted = usage(streams, body.n, self._reasoning_tokens(reasonings))
+        response = ChatCompletionResponse(rid, now(), self.model_name, choices, counted)
+        if body.return_token_ids:
+            response.prompt_token_ids = streams[0].prompt_token_ids
+        if body.prompt_logprobs is not None:
+            response.prompt_logprobs = self.logprobs.prompt(streams[0].prompt_logprobs or [])
+        return response
+
+    def _reasoning_tokens(self, reasonings: list[str]) -> int | None:
+        """`completion_tokens_details.reasoning_tokens`: the thinking's text as the tokenizer
+        encodes it (the tags are not counted); None without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return None
+        encode = self.client.frontend.tokenizer.encode
+        return sum(len(encode(text, add_special_tokens=False)) for text in reasonings if text)
 
     def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
         rid, requests, answer_parser = self.prepare(body)
         parsers = [answer_parser() for _ in requests]
+        reasonings = [""] * len(requests)
         num_calls = [0] * len(requests)
         reservation = reserve(self.client, len(requests))
         created = now()
@@ -208,25 +254,42 @@ class Chat:
             return ChatCompletionChunk(rid, created, self.model_name, [choice])
 
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[ChatCompletionChunk]:
-            out = [chunk(index, DeltaMessage(role="assistant", content=""))] if first else []
+            out = []
+            if first:
+                out.append(chunk(index, DeltaMessage(role="assistant", content="")))
+                if body.return_token_ids:
+                    out[0].prompt_token_ids = requests[index][0].prompt_token_ids
             last = delta.finish_reason is not None
             reasoning, content, calls = parsers[index].feed(delta.text, last)
-            tool_calls = [call.as_openai(num_calls[index] + i) for i, call in enumerate(calls)]
-            num_calls[index] += len(calls)
+            reasonings[index] += reasoning
+            if not body.include_reasoning:
+                reasoning = ""
+            tool_calls = []
+            for call in calls:  # numbered by the parser when it streams, else in order
+                number = num_calls[index] if call.index is None else call.index
+                if call.id is not None:
+                    num_calls[index] += 1
+                tool_calls.append(call.as_openai(number))
             reason = delta.finish_reason
             if reason == "stop" and num_calls[index]:
                 reason = "tool_calls"
-            # A delta whose text is all held back (a tag in pieces) still carries content "",
-            # so that a final chunk keeps its finish_reason.
-            message = DeltaMessage(content=content, reasoning_content=reasoning or None,
-                                   tool_calls=tool_calls or None)  # fmt: skip
             logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
+            if not (content or reasoning or tool_calls or reason or logprobs
+                    or body.return_token_ids):  # fmt: skip
+                return out  # all of it held back (a tag in pieces): nothing to send yet
+            # A final delta whose text is all held back still carries content "".
+            message = DeltaMessage(content=content, reasoning=reasoning or None,
+                                   reasoning_content=reasoning or None,
+                                   tool_calls=tool_calls or None)  # fmt: skip
             out.append(chunk(index, message, reason, delta.stop_reason, logprobs))
+            if body.return_token_ids:
+                out[-1].choices[0].token_ids = delta.token_ids
             return out
 
         def final(streams: list[RequestStream]) -> ChatCompletionChunk | None:
             if not include_usage:
                 return None
-            return ChatCompletionChunk(rid, created, self.model_name, [], usage(streams, body.n))
+            counted = usage(streams, body.n, self._reasoning_tokens(reasonings))
+            return ChatCompletionChunk(rid, created, self.model_name, [], counted)
 
-        return sse_stream(self.client, requests, reservation, chunks, final)
+        return sse_stream(self.client, requests, reservation, chunks, final, body)

@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Require 'Authorization: Bearer KEY' on /v1/* (default: $PEGAINFER_API_KEY).",
     )
     server.add_argument(
+        "--backlog",
+        type=int,
+        default=2048,
+        help="Connections the listening socket queues before accepting them (vLLM's default; "
+        "the kernel caps it at net.core.somaxconn). A burst beyond it is reset.",
+    )
+    server.add_argument(
         "--max-request-bytes",
         type=int,
         default=32 << 20,
@@ -111,6 +118,7 @@ _SERVER_FIELDS = (
     "port",
     "served_model_name",
     "api_key",
+    "backlog",
     "max_request_bytes",
     "max_waiting_requests",
     "log_level",
@@ -123,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     options = vars(build_parser().parse_args(argv))
     server = {name: options.pop(name) for name in _SERVER_FIELDS}
     logging.basicConfig(level=server["log_level"].upper(), format=_LOG_FORMAT)
+    if server["backlog"] < 1:
+        print("pegainfer-server: --backlog must be at least 1", file=sys.stderr)
+        return 2
     try:
         engine_args = EngineArgs(**options).validate()
         parsers.check_names(parsers.registry(), _requested_parsers(server))
@@ -159,6 +170,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
     )
     config = Config()
     config.bind = [f"{server['host']}:{server['port']}"]
+    config.backlog = server["backlog"]
     config.accesslog = None
     config.graceful_timeout = _GRACEFUL_S
     stop = asyncio.Event()

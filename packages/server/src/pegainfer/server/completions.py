@@ -21,6 +21,7 @@ from pegainfer.server.openai_serving import (
     reserve,
     sampling_params,
     sse_stream,
+    truncated,
     usage,
 )
 from pegainfer.server.protocol import (
@@ -66,6 +67,11 @@ def _token_ids(value: object) -> list[int] | None:
         return None
 
 
+def _multiplier(body: CompletionRequest) -> str:
+    """The field that made a request several sequences."""
+    return "n" if body.n > 1 else "prompt"
+
+
 class Completions:
     def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
         self.client = client
@@ -75,37 +81,47 @@ class Completions:
     def prepare(
         self, body: CompletionRequest
     ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
+        self.logprobs.as_ids = bool(body.return_tokens_as_token_ids)
         logprobs = completion_count(body.logprobs)
         params = sampling_params(self.client, body, body.max_tokens, logprobs)
         if body.echo and logprobs is not None:  # the echoed prompt's tokens are scored too
-            params = msgspec.structs.replace(params, prompt_logprobs=logprobs)
+            most = max(logprobs, params.prompt_logprobs or 0)
+            params = msgspec.structs.replace(params, prompt_logprobs=most)
         copies = choice_params(params, body.n)
         rid = request_id("cmpl")
+        prompts = []
+        for text, ids in _prompts(self.client, body.prompt):
+            kept = truncated(self.client, ids, body)
+            prompts.append((text if kept is ids else None, kept))  # echo decodes what is kept
         # Choice p * n + i is the i-th of the n choices of prompt p.
-        pairs = [(text, ids, params) for text, ids in _prompts(self.client, body.prompt)
-                 for params in copies]  # fmt: skip
+        pairs = [(text, ids, params) for text, ids in prompts for params in copies]
         requests = [
-            (engine_request(self.client, f"{rid}-{i}", ids, params, body.cache_salt), text)
+            (engine_request(self.client, f"{rid}-{i}", ids, params, body), text)
             for i, (text, ids, params) in enumerate(pairs)
         ]
         return rid, requests
 
     async def create(self, body: CompletionRequest) -> CompletionResponse:
         rid, requests = self.prepare(body)
-        streams = await collect(self.client, requests, reserve(self.client, len(requests)))
+        reservation = reserve(self.client, len(requests), _multiplier(body))
+        streams = await collect(self.client, requests, reservation)
         choices = []
         for i, ((request, prompt), stream) in enumerate(zip(requests, streams, strict=True)):
             text, logprobs = self._text_and_logprobs(
                 body, request, prompt, stream.text, stream.logprobs, stream.prompt_logprobs, 0
             )
-            choices.append(
-                CompletionChoice(i, text, logprobs, stream.finish_reason, stream.stop_reason)
-            )
+            choice = CompletionChoice(i, text, logprobs, stream.finish_reason, stream.stop_reason)
+            if body.return_token_ids:
+                choice.token_ids = stream.token_ids
+                choice.prompt_token_ids = stream.prompt_token_ids
+            if body.prompt_logprobs is not None:
+                choice.prompt_logprobs = self.logprobs.prompt(stream.prompt_logprobs or [])
+            choices.append(choice)
         return CompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
     def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
         rid, requests = self.prepare(body)
-        reservation = reserve(self.client, len(requests))
+        reservation = reserve(self.client, len(requests), _multiplier(body))
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         offsets = [0] * len(requests)  # text each choice has streamed, for text_offset
@@ -118,6 +134,10 @@ class Completions:
             )  # fmt: skip
             offsets[index] += len(text)
             choice = CompletionChoice(index, text, logprobs, delta.finish_reason, delta.stop_reason)
+            if body.return_token_ids:
+                choice.token_ids = delta.token_ids
+                if first:
+                    choice.prompt_token_ids = request.prompt_token_ids
             return [CompletionResponse(rid, created, self.model_name, [choice])]
 
         def final(streams: list[RequestStream]) -> CompletionResponse | None:
@@ -125,7 +145,7 @@ class Completions:
                 return None
             return CompletionResponse(rid, created, self.model_name, [], usage(streams, body.n))
 
-        return sse_stream(self.client, requests, reservation, chunks, final)
+        return sse_stream(self.client, requests, reservation, chunks, final, body)
 
     def _text_and_logprobs(
         self,

@@ -19,6 +19,8 @@ from pegainfer.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
 
@@ -48,8 +50,10 @@ def chat_count(logprobs: Any, top_logprobs: int | None) -> int | None:
 class LogprobsFormatter:
     """Turns `TokenLogprob`s into either shape, decoding each token id once."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        # vLLM's return_tokens_as_token_ids: tokens are named "token_id:N", not by their text.
+        self.as_ids = as_ids
         self._texts: dict[int, str] = {}
 
     def text(self, token_id: int) -> str:
@@ -58,6 +62,10 @@ class LogprobsFormatter:
             text = self._texts[token_id] = self.tokenizer.decode([token_id], False)
         return text
 
+    def name(self, token_id: int) -> str:
+        """How a token is named in logprobs: its text, or "token_id:N"."""
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
+
     def completion(
         self, entries: list[TokenLogprob], offset: int = 0, first_token: int | None = None
     ) -> CompletionLogprobs:
@@ -65,27 +73,50 @@ class LogprobsFormatter:
         an echoed prompt's first token, which nothing before it scores."""
         logprobs = CompletionLogprobs([], [], [], [])
         if first_token is not None:
-            logprobs.tokens.append(self.text(first_token))
+            logprobs.tokens.append(self.name(first_token))
             logprobs.token_logprobs.append(None)
             logprobs.top_logprobs.append(None)
             logprobs.text_offset.append(offset)
-            offset += len(logprobs.tokens[-1])
+            offset += len(self.text(first_token))
         for entry in entries:
-            logprobs.tokens.append(self.text(entry.token_id))
+            logprobs.tokens.append(self.name(entry.token_id))
             logprobs.token_logprobs.append(entry.logprob)
-            logprobs.top_logprobs.append({self.text(t): lp for t, lp in entry.top})
+            logprobs.top_logprobs.append(self.top_map(entry))
             logprobs.text_offset.append(offset)
-            offset += len(logprobs.tokens[-1])
+            offset += len(self.text(entry.token_id))
         return logprobs
+
+    def top_map(self, entry: TokenLogprob) -> dict[str, float]:
+        """Completions' `{token: logprob}` of one position: the chosen token and then the most
+        likely ones (OpenAI: up to logprobs + 1 entries). Tokens that decode alike (byte
+        pieces of one character) would share a key; a later one is keyed `token_id:N` instead
+        of being lost."""
+        top = {self.name(entry.token_id): entry.logprob}
+        for token_id, logprob in entry.top:
+            if token_id != entry.token_id:
+                key = self.name(token_id)
+                top[f"token_id:{token_id}" if key in top else key] = logprob
+        return top
+
+    def prompt(self, entries: list[TokenLogprob]) -> PromptLogprobs:
+        """vLLM's `prompt_logprobs` of a prompt whose tokens after the first are `entries`."""
+        scored: PromptLogprobs = [None]
+        for entry in entries:
+            candidates = {entry.token_id: (entry.logprob, entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top, 1):
+                candidates.setdefault(token_id, (logprob, rank))
+            scored.append({str(token_id): PromptLogprob(logprob, rank, self.name(token_id))
+                           for token_id, (logprob, rank) in candidates.items()})  # fmt: skip
+        return scored
 
     def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         def top(token_id: int, logprob: float) -> TopLogprob:
-            text = self.text(token_id)
+            text = self.name(token_id)
             return TopLogprob(text, logprob, list(text.encode()))
 
         content = []
         for entry in entries:
-            text = self.text(entry.token_id)
+            text = self.name(entry.token_id)
             alternatives = [top(t, lp) for t, lp in entry.top]
             content.append(ChatTokenLogprob(text, entry.logprob, list(text.encode()), alternatives))
         return ChatLogprobs(content)

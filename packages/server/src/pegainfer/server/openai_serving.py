@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -22,8 +23,13 @@ from pegainfer.server.engine_client import (
     ServerBusyError,
 )
 from pegainfer.server.errors import APIError, bad_request
-from pegainfer.server.protocol import PromptTokensDetails, Usage, unsupported_fields
-from pegainfer.server.structured import requested_output
+from pegainfer.server.protocol import (
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    Usage,
+    unsupported_fields,
+)
+from pegainfer.server.structured import constraint_field, requested_output
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids")
 
@@ -78,9 +84,15 @@ def sampling_params(
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "logit_bias": _logit_bias(request.logit_bias),
+        "allowed_token_ids": request.allowed_token_ids,
+        "bad_words_token_ids": _bad_words(client, request.bad_words),
         "structured": _structured(request, forced),
         "logprobs": logprobs,
+        "prompt_logprobs": request.prompt_logprobs,
     }
+    if request.prompt_logprobs is not None and request.stream:
+        # As vLLM: a prompt's scores come whole, with the first output, not streamed.
+        raise bad_request("prompt_logprobs are not available when streaming", "prompt_logprobs")
     params = client.frontend.default_sampling_params(**explicit)
     try:
         return params.validate(client.config.vocab_size)
@@ -108,32 +120,72 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
 
 
+def _bad_words(client: AsyncEngineClient, words: list[str] | None) -> list[list[int]]:
+    """Each bad word's tokens as it would start the text and as it would follow a space (BPE
+    tokenizers spell the two differently), as vLLM bans them."""
+    encode = client.frontend.tokenizer.encode
+    found: list[list[int]] = []
+    for word in words or []:
+        if not word.strip():
+            raise bad_request("bad_words must not be empty or blank", "bad_words")
+        for spelling in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(spelling, add_special_tokens=False)
+            if ids not in found:
+                found.append(ids)
+    return found
+
+
 def engine_request(
     client: AsyncEngineClient,
     rid: str,
     prompt_token_ids: list[int],
     params: SamplingParams,
-    cache_salt: str | None,
+    body: Any,
 ) -> EngineRequest:
     """The request for the engine, checked as the engine will check it (a grammar without
     the tokenizer: the engine process compiles it), so a bad one is a 400, never a failure
     mid-stream."""
     request = client.frontend.make_request(rid, prompt_token_ids, params)
-    request.cache_salt = cache_salt
+    request.cache_salt = body.cache_salt
     try:
         client.limits.check(request)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), exc.param) from exc
+        param = exc.param
+        if params.structured is not None and param == params.structured.kind:
+            param = constraint_field(body)  # the grammar's kind is no field the client sent
+        raise bad_request(str(exc), param) from exc
     return request
 
 
-def usage(streams: Sequence[RequestStream], n: int = 1) -> Usage:
+def truncated(client: AsyncEngineClient, ids: list[int], body: Any) -> list[int]:
+    """A prompt's tokens after vLLM's `truncate_prompt_tokens`: the last k (the first k with
+    `truncation_side` "right"); -1 keeps as many as the context holds."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    limit = client.config.max_model_len
+    if keep == -1:
+        keep = limit
+    if not 1 <= keep <= limit:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 or between 1 and the context ({limit}), got {keep}",
+            "truncate_prompt_tokens",
+        )
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if body.truncation_side == "right" else ids[-keep:]
+
+
+def usage(
+    streams: Sequence[RequestStream], n: int = 1, reasoning_tokens: int | None = None
+) -> Usage:
     """Token counts of a response; with `n` choices per prompt (streams grouped by prompt),
     each prompt counts once, as OpenAI counts it."""
     prompt = sum(len(s.prompt_token_ids) for s in streams[::n])
     completion = sum(len(s.token_ids) for s in streams)
     cached = sum(s.num_cached_tokens for s in streams[::n])
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached), details)
 
 
 MAX_N = 64
@@ -153,6 +205,16 @@ def _wrap_seed(seed: int) -> int:
     return (seed + 2**63) % 2**64 - 2**63
 
 
+# Deltas of one response waiting for its consumer (a stream's client reading them): past this
+# many the response ends and its requests are aborted, so a client that stops reading cannot
+# make the server hold an ever larger answer (one n=64, logprobs=20 stream grew it by 216 MB).
+MAX_UNSENT_DELTAS = 16384
+
+
+class ClientTooSlowError(RuntimeError):
+    """The client read its stream too slowly: the response was ended."""
+
+
 async def merged(
     client: AsyncEngineClient,
     requests: Sequence[tuple[EngineRequest, str | None]],
@@ -165,8 +227,15 @@ async def merged(
 
     async def pump(index: int, request: EngineRequest, prompt: str | None) -> None:
         try:
-            async for stream, delta in client.generate(request, reservation, prompt):
-                queue.put_nowait((index, stream, delta))
+            # Closed on leaving the loop, which aborts the request.
+            async with contextlib.aclosing(client.generate(request, reservation, prompt)) as out:
+                async for stream, delta in out:
+                    if queue.qsize() >= MAX_UNSENT_DELTAS:
+                        raise ClientTooSlowError(
+                            f"the client read its stream too slowly ({MAX_UNSENT_DELTAS} "
+                            "chunks were waiting): the answer was ended"
+                        )
+                    queue.put_nowait((index, stream, delta))
         except BaseException as exc:  # handed to the consumer, which re-raises it
             queue.put_nowait(exc)
             return
@@ -189,16 +258,30 @@ async def merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def translate_engine_errors(exc: ServerBusyError | EngineFailedError) -> APIError:
+def translate_engine_errors(
+    exc: ServerBusyError | EngineFailedError | ClientTooSlowError,
+) -> APIError:
     if isinstance(exc, ServerBusyError):
         return APIError(
             503, f"server busy: {exc}", code="server_busy", headers={"Retry-After": "1"}
         )
+    if isinstance(exc, ClientTooSlowError):
+        return APIError(400, str(exc), code="client_too_slow")
     return APIError(500, str(exc), code="engine_error")
 
 
-def reserve(client: AsyncEngineClient, num_requests: int) -> Reservation:
-    """Reserve waiting slots before answering, so a refusal is a 503, never a broken stream."""
+def reserve(client: AsyncEngineClient, num_requests: int, param: str = "n") -> Reservation:
+    """Reserve waiting slots before answering, so a refusal is a 503, never a broken stream.
+
+    A request needing more slots than the server has can never be admitted: a 400 naming
+    `param` (what multiplied the requests), as retrying after a 503 would never help.
+    """
+    if num_requests > client.max_waiting:
+        raise bad_request(
+            f"this request makes {num_requests} sequences (prompts times n), but at most "
+            f"{client.max_waiting} may wait at once on this server (--max-waiting-requests)",
+            param,
+        )
     try:
         return client.reserve(num_requests)
     except (ServerBusyError, EngineFailedError) as exc:
@@ -231,21 +314,28 @@ async def sse_stream(
     client: AsyncEngineClient,
     requests: Sequence[tuple[EngineRequest, str | None]],
     reservation: Reservation,
-    chunks: Callable[[int, StreamDelta, bool], list[msgspec.Struct]],
+    chunks: Callable[[int, StreamDelta, bool], list[Any]],
     final: Callable[[list[RequestStream]], msgspec.Struct | None],
+    body: Any,
 ) -> AsyncIterator[bytes]:
     """SSE bytes: `chunks(index, delta, first)` per delta, then `final(streams)`, then [DONE].
 
-    An engine failure mid-stream becomes an error event (the status line is already sent).
+    With `stream_options.continuous_usage_stats` (and include_usage) every chunk carries its
+    choice's usage so far, as vLLM's do. An engine failure mid-stream becomes an error event
+    (the status line is already sent).
     """
+    options = body.stream_options
+    continuous = options is not None and options.include_usage and options.continuous_usage_stats
     streams: dict[int, RequestStream] = {}
     try:
         async for index, stream, delta in merged(client, requests, reservation):
             first = index not in streams
             streams[index] = stream
             for chunk in chunks(index, delta, first):
+                if continuous:
+                    chunk.usage = usage([stream])
                 yield sse(chunk)
-    except (ServerBusyError, EngineFailedError) as exc:
+    except (ServerBusyError, EngineFailedError, ClientTooSlowError) as exc:
         yield b"data: " + translate_engine_errors(exc).body() + b"\n\n"
         yield SSE_DONE
         return

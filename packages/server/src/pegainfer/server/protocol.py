@@ -7,9 +7,14 @@ than their no-op value. Unknown fields are accepted (and logged once by the app)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+
+# Every integer a request carries fits in a signed 64-bit integer, as the engine's message
+# boundary needs; the decoder refuses anything larger with a 400 naming the field, before any
+# work or reservation. The fields' own ranges are checked where they are used.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 # ---------------------------------------------------------------------------- requests
 
@@ -27,22 +32,22 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     # Informational only.
     user: str | None = None
     metadata: dict[str, Any] | None = None
     # Choices, penalties, logprobs and output constraints.
-    n: int = 1
-    best_of: int | None = None
+    n: Int64 = 1
+    best_of: Int64 | None = None
     logprobs: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -54,20 +59,57 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int64 | None = None
     # Separates this request's prefix-cache entries from other tenants'.
     cache_salt: str | None = None
+    # vLLM's: keep only the prompt's last (or first) tokens; -1: as many as the context holds.
+    truncate_prompt_tokens: Int64 | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: the prompt's and the answer's token ids in the response; logprobs' tokens as
+    # "token_id:N" (for tokens whose text is not valid UTF-8 alone).
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the only tokens the answer may use; words it may not contain.
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's and OpenAI's fields that change the output or how it is made, not implemented:
+    # refused by name (see _NOT_YET) unless at their "off" value.
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    priority: Any = 0
+    logits_processors: Any = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
 
 
 # Fields that change the output and are not implemented yet, with the values that mean "off".
 _NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "prompt_logprobs": (None,),
     "functions": (None, []),
-    "continue_final_message": (False,),
+    "function_call": (None, "none", "auto"),
     "chat_template": (None,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0, 1),
+    "priority": (0,),
+    "logits_processors": (None, []),
+    "structural_tag": (None,),
+    "guided_whitespace_pattern": (None,),
+    "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None,),
+    "prompt_embeds": (None,),
+    "reasoning_effort": (None,),
+    "documents": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
 }
+# Chat's only: completions implement their own echo, and add special tokens to a prompt.
+_NOT_YET_IN_CHAT = {"echo": (False,), "add_special_tokens": (False,)}
 
 
 def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
@@ -77,14 +119,12 @@ def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
 
 def unsupported_fields(request: msgspec.Struct) -> list[str]:
     """Fields of `request` set to a value we cannot honour yet."""
+    not_yet = _NOT_YET | (_NOT_YET_IN_CHAT if isinstance(request, ChatCompletionRequest) else {})
     found = [
         name
-        for name, offs in _NOT_YET.items()
+        for name, offs in not_yet.items()
         if hasattr(request, name) and not _is_off(getattr(request, name), offs)
     ]
-    stream_options = getattr(request, "stream_options", None)
-    if stream_options is not None and stream_options.continuous_usage_stats:
-        found.append("stream_options.continuous_usage_stats")
     return found
 
 
@@ -92,9 +132,10 @@ class CompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     # A string, a list of strings, token ids, or a list of token-id lists (checked on use:
     # msgspec cannot express a union of list types).
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
     suffix: str | None = None
+    prompt_embeds: Any = None
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text"):
@@ -116,8 +157,8 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -125,7 +166,18 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # false: the reasoning parser's split-off text is dropped
+    echo: Any = False
+    add_special_tokens: Any = False
+    reasoning_effort: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -134,11 +186,14 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    tokens: list[int]
+    tokens: list[Int64]
     model: str | None = None
 
 
@@ -149,11 +204,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
 
 
-class Usage(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -180,12 +240,29 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's entry of one candidate token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, {token id: entry} of the token itself and the most
+# likely ones (null for the first token, which nothing before it scores).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # vLLM's, null unless asked for (return_token_ids; a stream sends the prompt's once).
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -200,7 +277,9 @@ class CompletionResponse(msgspec.Struct):
 class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"]
     content: str | None  # null when the answer is only tool calls
-    reasoning_content: str | None = None  # with --reasoning-parser
+    # With --reasoning-parser: the thinking, under vLLM's current name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # with --tool-call-parser
 
 
@@ -210,6 +289,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -219,11 +299,14 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
@@ -234,6 +317,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -243,6 +327,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in a choice's first
 
 
 class ModelCard(msgspec.Struct):
@@ -263,6 +348,7 @@ class TokenizeResponse(msgspec.Struct):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # with return_token_strs: each token's vocabulary entry
 
 
 class DetokenizeResponse(msgspec.Struct):

@@ -82,6 +82,24 @@ def _structured_outputs(value: dict[str, Any]) -> list[tuple[str, StructuredOutp
 def requested_output(request: Any) -> tuple[str, StructuredOutput] | None:
     """The constraint a request asks for and the field it came from; a 400 if it asks for
     several, or for one that does not compile."""
+    found = _constraints(request)
+    if len(found) > 1:
+        names = ", ".join(field for field, _ in found)
+        raise bad_request(f"ask for one output constraint at a time, not {names}", found[1][0])
+    if not found:
+        return None
+    check(*found[0])
+    return found[0]
+
+
+def constraint_field(request: Any) -> str:
+    """The field a request's constraint came from (tool_choice when it asked for none), for
+    errors found later, when the grammar is compiled against the tokenizer."""
+    found = _constraints(request)
+    return found[0][0] if found else "tool_choice"
+
+
+def _constraints(request: Any) -> list[tuple[str, StructuredOutput]]:
     found: list[tuple[str, StructuredOutput]] = []
     if request.response_format is not None:
         output = _response_format(request.response_format)
@@ -95,13 +113,7 @@ def requested_output(request: Any) -> tuple[str, StructuredOutput] | None:
         value = getattr(request, field)
         if value is not None:
             found.append((field, make(value, field)))
-    if len(found) > 1:
-        names = ", ".join(field for field, _ in found)
-        raise bad_request(f"ask for one output constraint at a time, not {names}", found[1][0])
-    if not found:
-        return None
-    check(*found[0])
-    return found[0]
+    return found
 
 
 def check(field: str, output: StructuredOutput) -> None:
@@ -112,21 +124,30 @@ def check(field: str, output: StructuredOutput) -> None:
 
 
 def forced_tool_calls(
-    tools: list[dict[str, Any]] | None, tool_choice: Any
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True
 ) -> tuple[StructuredOutput, str | None] | None:
     """The constraint of tool_choice "required" (with None) or of a named function (with its
-    name); None for "auto" and "none"."""
+    name); None for "auto" and "none". Not `parallel`: "required" allows exactly one call."""
     if tool_choice in (None, "auto", "none"):
         return None
     if not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if tool_choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name},
-                                                     "parameters": _parameters(f)},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, f in functions.items()]  # fmt: skip
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        # Each tool's parameters move to $defs and are referred to from there, their own local
+        # $refs ($defs of nested models, "#" for recursion) rebased so that they still resolve.
+        defs, calls = {}, []
+        for i, (name, function) in enumerate(functions.items()):
+            try:
+                defs[f"tool{i}"] = _rebased(_parameters(function), f"#/$defs/tool{i}")
+            except RecursionError:
+                raise bad_request(f"tools[{i}] parameters nest too deeply", "tools") from None
+            calls.append({"type": "object", "properties": {
+                "name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
+                "required": ["name", "parameters"], "additionalProperties": False})  # fmt: skip
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+        if not parallel:
+            schema["maxItems"] = 1
         output, forced = StructuredOutput.json_schema(schema), None
     elif (
         isinstance(tool_choice, dict)
@@ -151,3 +172,17 @@ def forced_tool_calls(
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters")
     return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references ("#", "#/$defs/X") pointing under `base` instead."""
+    if isinstance(schema, dict):
+        return {
+            key: base + value[1:]
+            if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rebased(value, base)
+            for key, value in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebased(value, base) for value in schema]
+    return schema

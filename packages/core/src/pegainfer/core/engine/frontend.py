@@ -172,8 +172,13 @@ class Frontend:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Render a conversation with the model's chat template and tokenize it."""
+        """Render a conversation with the model's chat template and tokenize it.
+
+        `continue_final_message` leaves the last message open (vLLM's option): the prompt
+        ends right after its content, so the model continues it instead of answering it.
+        """
         extra = dict(chat_template_kwargs or {})
         clashes = sorted(extra.keys() & {"messages", "tools", "add_generation_prompt"})
         if clashes:
@@ -181,9 +186,15 @@ class Frontend:
                 f"chat_template_kwargs may not set {', '.join(clashes)}: they are request fields",
                 "chat_template_kwargs",
             )
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message needs add_generation_prompt false", "continue_final_message"
+            )
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
         )
+        if continue_final_message:
+            text = _open_final_message(text, messages[-1].get("content"))
         # The template writes any special tokens itself.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -197,3 +208,22 @@ class Frontend:
             eos_token_ids=list(self.defaults.eos_token_ids),
             arrival_time=time.time(),
         )
+
+
+def _open_final_message(rendered: str, content: Any) -> str:
+    """`rendered` cut right after the last message's content (what the template wrote after
+    it closes the turn)."""
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError(
+            "continue_final_message needs a last message with text to continue",
+            "continue_final_message",
+        )
+    for piece in (content, content.rstrip()):
+        end = rendered.rfind(piece)
+        if end >= 0:
+            return rendered[: end + len(piece)]
+    raise InvalidRequestError(
+        "the chat template does not write the last message's content as given, so it cannot "
+        "be continued",
+        "continue_final_message",
+    )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import logging
 from typing import Any
 
 import torch
 
 from pegainfer.core.engine.messages import EngineRequest
 from pegainfer.core.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -80,14 +83,29 @@ class Request:
     @property
     def needs_known_tokens(self) -> bool:
         """Whether sampling its next token needs every earlier one on the host (penalties
-        count them, a grammar's mask follows them)."""
-        return self.params.has_penalties or self.grammar is not None
+        count them, a grammar's mask follows them, a bad word of several tokens matches
+        them)."""
+        return (
+            self.params.has_penalties
+            or self.grammar is not None
+            or any(len(word) > 1 for word in self.params.bad_words_token_ids)
+        )
 
     def banned_token_ids(self) -> frozenset[int]:
-        """Tokens the sampler must not pick yet: stops are held off until `min_tokens`."""
-        if self.num_output_tokens < self.params.min_tokens:
-            return self.stop_token_ids
-        return frozenset()
+        """Tokens the sampler must not pick next: stops until `min_tokens`, and each bad
+        word's last token where the output ends with the rest of the word."""
+        banned = self.stop_token_ids if self.num_output_tokens < self.params.min_tokens else None
+        words = self.params.bad_words_token_ids
+        if not words:
+            return banned or frozenset()
+        output = self.token_ids[self.num_prompt_tokens :]
+        ends = {
+            word[-1]
+            for word in words
+            if len(word) == 1
+            or (len(output) >= len(word) - 1 and output[1 - len(word) :] == word[:-1])
+        }
+        return frozenset(ends) | (banned or frozenset())
 
     def reserve_token(self) -> None:
         """A step that samples this request's next token was launched; its id comes later."""
@@ -102,7 +120,14 @@ class Request:
         self.token_ids[index] = token_id
         self.num_pending -= 1
         outputs = index + 1 - self.num_prompt_tokens
-        if token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
+        if self.grammar is not None and self.grammar.is_error():
+            # The grammar engine gave up (a lexer or parser limit): the output can no longer be
+            # held to the constraint, so the request ends with an error, never a quiet "stop".
+            self.finish_reason = "error"
+            logger.warning("request %s: its structured output's grammar failed after %d tokens: "
+                           "%s", self.request_id, outputs,
+                           self.grammar.get_error().split("\n", 1)[0])  # fmt: skip
+        elif token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
             self.finish_reason, self.stop_token_id = "stop", token_id
         elif self.grammar is not None and self.grammar.is_stopped():
             self.finish_reason = "stop"  # the grammar allows nothing more

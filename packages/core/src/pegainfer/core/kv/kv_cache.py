@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pegainfer.core.errors import ModelLineError
+
 
 @dataclass(frozen=True)
 class ArenaSpec:
@@ -55,7 +57,13 @@ def bytes_per_block(specs: list[ArenaSpec]) -> int:
 
 def blocks_for_memory(specs: list[ArenaSpec], memory_bytes: int) -> int:
     """How many blocks fit in `memory_bytes`."""
-    return memory_bytes // bytes_per_block(specs)
+    per_block = bytes_per_block(specs)
+    if per_block <= 0:  # a model line's mistake, not the user's
+        raise ModelLineError(
+            f"the model line's kv_arenas() describe {per_block} bytes per block ({len(specs)} "
+            "arenas): a line must describe at least one KV arena of non-empty blocks"
+        )
+    return memory_bytes // per_block
 
 
 class KVCache:

@@ -1,4 +1,5 @@
-"""Token selection: greedy, temperature, top-k, top-p, min-p, logit bias, per-request seeds.
+"""Token selection: greedy, temperature, top-k, top-p, min-p, logit bias, allowed and banned
+tokens, per-request seeds.
 
 This is the reference implementation and the CPU path. The filters apply in a fixed order on
 the temperature-scaled distribution: top-k, then top-p on what remains, then min-p relative
@@ -57,6 +58,7 @@ class SamplingBatch:
     generators: list[torch.Generator]
     banned: list[frozenset[int]]  # tokens a row may not pick (stops before min_tokens)
     biases: list[dict[int, float]] = field(default_factory=list)  # per row: logit_bias
+    allowed: list[list[int] | None] = field(default_factory=list)  # per row: the only picks
     # Per row with penalties: (presence, frequency, repetition, prompt ids, output ids).
     penalties: list[Penalties | None] = field(default_factory=list)
     #: Whether every row is greedy (read once, from the host tensor, before `to` moves it).
@@ -86,6 +88,7 @@ class SamplingBatch:
             generators=[r.generator or default_generator for r in requests],
             banned=[r.banned_token_ids() for r in requests],
             biases=[p.logit_bias for p in params],
+            allowed=[p.allowed_token_ids for p in params],
             penalties=[_penalties(r) if r.params.has_penalties else None for r in requests],
         ).to(device)
 
@@ -121,7 +124,8 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Pick one token per row of `logits` [B, V]; returns int64 [B]."""
     logits = logits.float()
-    if any(batch.biases) or any(batch.banned) or any(batch.penalties):
+    restricted = any(a is not None for a in batch.allowed)
+    if any(batch.biases) or any(batch.banned) or any(batch.penalties) or restricted:
         logits = logits.clone()  # the caller's logits stay as they were
     for row, bias in enumerate(batch.biases):
         if bias:
@@ -136,6 +140,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     for row, banned in enumerate(batch.banned):
         if banned:
             logits[row, to_device(sorted(banned), logits.device)] = -torch.inf
+    for row, allowed in enumerate(batch.allowed):
+        if allowed is not None:
+            ids = to_device(list(allowed), logits.device)
+            kept = logits[row, ids]
+            logits[row] = -torch.inf
+            logits[row, ids] = kept
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
@@ -165,7 +175,8 @@ def sample_requests(
         rows, matchers = zip(*constrained, strict=True)
         logits = mask_logits(logits, list(rows), list(matchers))
     if all(r.params.greedy and not r.banned_token_ids() and not r.params.logit_bias
-           and not r.params.has_penalties for r in requests):  # fmt: skip
+           and not r.params.has_penalties and r.params.allowed_token_ids is None
+           for r in requests):  # fmt: skip
         return logits.argmax(dim=-1)
     batch = SamplingBatch.from_requests(requests, vocab_size, default_generator, logits.device)
     return sample(logits, batch)

@@ -13,8 +13,8 @@ import msgspec
 from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.sampling.structured_output import StructuredOutput
 
-# Largest seed we accept: torch generators take 64-bit seeds.
-_MAX_SEED = 2**63 - 1
+# Every integer must fit the engine's message encoding (msgpack) and torch's 64-bit seeds.
+_MAX_INT = 2**63 - 1
 # Below this temperature sampling is greedy (dividing logits by it would overflow).
 MIN_TEMPERATURE = 1e-5
 # Any top_k beyond the vocabulary means "no limit"; the bound keeps it a 32-bit integer.
@@ -58,6 +58,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: The same for every prompt token after the first (the prompt is then never read from the
     #: prefix cache: its logits are needed).
     prompt_logprobs: int | None = None
+    #: Only these tokens may be sampled (vLLM's `allowed_token_ids`); None: any.
+    allowed_token_ids: list[int] | None = None
+    #: Token sequences the output must not contain (vLLM's `bad_words`, as token ids): a
+    #: sequence's last token is banned wherever the output so far ends with the rest of it.
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -85,15 +90,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if self.seed is not None and not (-_MAX_SEED - 1 <= self.seed <= _MAX_SEED):
+        if self.seed is not None and not (-_MAX_INT - 1 <= self.seed <= _MAX_INT):
             raise InvalidRequestError("seed must fit in a signed 64-bit integer", "seed")
-        if self.max_tokens is not None and self.max_tokens < 1:
+        if self.max_tokens is not None and not (1 <= self.max_tokens <= _MAX_INT):
             raise InvalidRequestError(
-                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
+                f"max_tokens must be between 1 and {_MAX_INT}, got {self.max_tokens}", "max_tokens"
             )
-        if self.min_tokens < 0:
+        if not (0 <= self.min_tokens <= _MAX_INT):
             raise InvalidRequestError(
-                f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens"
+                f"min_tokens must be between 0 and {_MAX_INT}, got {self.min_tokens}", "min_tokens"
             )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
@@ -123,18 +128,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if any(not (math.isfinite(b) and -100.0 <= b <= 100.0) for b in self.logit_bias.values()):
             raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
-        if vocab_size is not None:
-            outside = sorted(t for t in self.logit_bias if not (0 <= t < vocab_size))
-            if outside:
-                raise InvalidRequestError(
-                    f"logit_bias token ids {outside[:5]} are outside the vocabulary "
-                    f"[0, {vocab_size})",
-                    "logit_bias",
-                )
-            bad = [t for t in self.stop_token_ids if not (0 <= t < vocab_size)]
+        # Token ids: in the vocabulary when it is known, else at least non-negative and encodable.
+        limit = _MAX_INT + 1 if vocab_size is None else vocab_size
+        where = "the vocabulary" if vocab_size is not None else "the token id range"
+        outside = sorted(t for t in self.logit_bias if not (0 <= t < limit))
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias token ids {outside[:5]} are outside {where} [0, {limit})",
+                "logit_bias",
+            )
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("bad_words", [t for word in self.bad_words_token_ids for t in word]),
+        ):
+            bad = [t for t in ids if not (0 <= t < limit)]
             if bad:
                 raise InvalidRequestError(
-                    f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
-                    "stop_token_ids",
+                    f"{name} {bad[:5]} are outside {where} [0, {limit})", name
                 )
+        if self.allowed_token_ids == []:
+            raise InvalidRequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+        if any(not word for word in self.bad_words_token_ids):
+            raise InvalidRequestError("bad_words must not be empty", "bad_words")
         return self

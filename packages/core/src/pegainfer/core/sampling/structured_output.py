@@ -144,8 +144,13 @@ class Grammars:
 
         tokenizer = self.tokenizer(eos_token_ids)
         matcher = llguidance.LLMatcher(tokenizer, output.grammar(), log_level=0)
+        if not matcher.is_error():
+            # Some grammars compile yet fail on their first mask (a schema that is only a
+            # reference to itself): refused here rather than failing the request later.
+            matcher.compute_logit_bias()
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid {output.kind}: {matcher.get_error()}", output.kind)
+            error = matcher.get_error().split("\n", 1)[0]
+            raise InvalidRequestError(f"invalid {output.kind}: {error}", output.kind)
         return matcher
 
 
