@@ -93,5 +93,7 @@ for stage in $STAGES; do
   esac
 done
 # At most eight files come back: the logs and JSONs travel as one archive.
-tar -czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz --exclude 'jit.tgz.part*' . \
-  && find "$OUT" -maxdepth 1 -type f ! -name results.tgz ! -name 'jit.tgz.part*' -delete
+# (Built outside $OUT: tar fails on an archive growing inside the folder it reads.)
+tar -czf /tmp/results.tgz -C "$OUT" --exclude 'jit.tgz.part*' . \
+  && find "$OUT" -maxdepth 1 -type f ! -name 'jit.tgz.part*' -delete \
+  && mv /tmp/results.tgz "$OUT/"
