@@ -209,7 +209,7 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(monkeypatch):
 
 
 def test_plans_larger_than_a_pipes_default_buffer_reach_the_workers(checkpoint, monkeypatch):
-    """48 prompts of 440 tokens prefilled in one step, in blocks of one token: the plan (every
+    """48 prompts of 500 tokens prefilled in one step, in blocks of one token: the plan (every
     token and every row's block table) outgrows a pipe's default 64 KiB, and the ranks still
     generate what one does."""
     sizes: list[int] = []
@@ -221,8 +221,8 @@ def test_plans_larger_than_a_pipes_default_buffer_reach_the_workers(checkpoint, 
 
     monkeypatch.setattr(TensorParallelRanks, "_post", measured)
     g = torch.Generator().manual_seed(2)
-    long = [torch.randint(0, VOCAB, (440,), generator=g).tolist() for _ in range(48)]
-    options = dict(block_size=1, max_num_batched_tokens=48 * 440)  # every prompt in one step
+    long = [torch.randint(0, VOCAB, (500,), generator=g).tolist() for _ in range(48)]
+    options = dict(block_size=1, max_num_batched_tokens=48 * 500)  # every prompt in one step
     expected = generate(make_engine(checkpoint, **options), long, greedy(3))
     engine = make_engine(checkpoint, tensor_parallel_size=2, **options)
     try:

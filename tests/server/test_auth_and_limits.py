@@ -234,7 +234,9 @@ def test_waiting_limit_answers_503_to_streams_too(guarded):
         if response.status_code == 200:
             payloads = sse_payloads(response.content)
             assert all("error" not in p for p in payloads), payloads
-            assert sum(len(p["choices"]) for p in payloads) == 4
+            # Four tokens, at most one event each (a reader behind gets them coalesced).
+            choices = [choice for p in payloads for choice in p["choices"]]
+            assert 1 <= len(choices) <= 4 and choices[-1]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize(

@@ -147,4 +147,4 @@ def test_a_bad_grammar_is_refused_before_a_stream_starts(server):
             "structured_outputs": {"json": {"type": "nonsense"}}}  # fmt: skip
     reply = httpx.post(server.url + "/v1/completions", json=body, timeout=DEADLINE_S)
     assert reply.status_code == 400, reply.text
-    assert reply.json()["error"]["param"] == "json_schema"
+    assert reply.json()["error"]["param"] == "structured_outputs.json"  # the field sent

@@ -21,6 +21,7 @@ from pegainfer.core.engine.frontend import Frontend, RequestLimits, RequestStrea
 from pegainfer.core.engine.loop import EngineConnection, decode_outputs
 from pegainfer.core.engine.messages import AbortRequest, EngineRequest, RequestOutput
 from pegainfer.core.engine.metrics import Metrics
+from pegainfer.core.sampling.structured_output import Grammars
 
 
 class EngineFailedError(RuntimeError):
@@ -48,7 +49,11 @@ class AsyncEngineClient:
         self, engine: EngineConnection, frontend: Frontend, metrics: Metrics, max_waiting: int
     ) -> None:
         self.config = engine.config
-        self.limits = RequestLimits(self.config.vocab_size, self.config.max_model_len)
+        self.limits = RequestLimits(
+            self.config.vocab_size,
+            self.config.max_model_len,
+            Grammars(self.config.tokenizer_dir, self.config.vocab_size),
+        )
         self.frontend = frontend
         self.metrics = metrics
         self.max_waiting = max_waiting

@@ -441,6 +441,11 @@ class EngineCore:
             request = self.requests.pop(request_id, None)
             if request is not None and self.scheduler.abort(request_id) is not None:
                 outputs.append(self._output(request, []))
+        if not self.requests and self._in_flight is not None:
+            # Nothing left to serve: the step in flight comes home now (its tokens go nowhere),
+            # so the engine reports no unfinished work.
+            self._commit(self._in_flight)
+            self._in_flight = None
         return outputs
 
     @torch.inference_mode()

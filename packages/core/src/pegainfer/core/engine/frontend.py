@@ -19,6 +19,7 @@ from pegainfer.core.engine.messages import EngineRequest, RequestOutput, TokenLo
 from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.loading.generation_config import GenerationDefaults
 from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.sampling.structured_output import Grammars
 from pegainfer.core.text.detokenizer import IncrementalDetokenizer
 from pegainfer.core.text.tokenizer import Tokenizer
 
@@ -59,11 +60,14 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
+    #: The server's: a grammar is compiled against the tokenizer and its first mask computed
+    #: (some grammars fail only there), each spec once, so every bad one is a 400. Without
+    #: it a grammar is checked without the tokenizer (`StructuredOutput.validate`).
+    grammars: Grammars | None = None
 
     def check(self, msg: EngineRequest) -> int:
         """Raise `InvalidRequestError` naming the first problem; return the resolved
-        max_tokens. A grammar is checked without the tokenizer (`StructuredOutput.validate`);
-        the engine compiles it against the tokenizer."""
+        max_tokens."""
         prompt = msg.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt must contain at least one token", "prompt")
@@ -71,7 +75,9 @@ class RequestLimits:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         msg.params.validate(vocab)
-        if msg.params.structured is not None:
+        if msg.params.structured is not None and self.grammars is not None:
+            self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
+        elif msg.params.structured is not None:
             msg.params.structured.validate()
         limit = self.max_model_len
         if len(prompt) >= limit:
