@@ -172,6 +172,13 @@ BAD_REQUESTS = {
     "logprobs-too-many": (COMPLETIONS, completion(logprobs=21), 400, "logprobs", "20"),
     "logprobs-bool-on-completions": (COMPLETIONS, completion(logprobs=True), 400, "logprobs", None),
     "logprobs-int-on-chat": (CHAT, chat(logprobs=3), 400, "logprobs", "true or false"),
+    "top-logprobs-on-completions": (
+        COMPLETIONS,
+        completion(top_logprobs=2),
+        400,
+        "top_logprobs",
+        "logprobs",
+    ),
     "top-logprobs-without-logprobs": (
         CHAT,
         chat(top_logprobs=2),
