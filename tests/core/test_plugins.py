@@ -163,6 +163,7 @@ def test_a_broken_plugin_is_left_out_and_named(tmp_path, monkeypatch, caplog, na
     assert f"{name}: " in str(err.value) and why in str(err.value)
 
 
+@pytest.mark.line("qwen35")
 def test_pegainfer_plugins_naming_an_installed_line_out_is_not_a_missing_extra(monkeypatch, caplog):
     monkeypatch.setenv("PEGAINFER_PLUGINS", "qwen3,qwen3five")
     lines = model_lines()

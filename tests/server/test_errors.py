@@ -172,6 +172,20 @@ BAD_REQUESTS = {
     "logprobs-too-many": (COMPLETIONS, completion(logprobs=21), 400, "logprobs", "20"),
     "logprobs-bool-on-completions": (COMPLETIONS, completion(logprobs=True), 400, "logprobs", None),
     "logprobs-int-on-chat": (CHAT, chat(logprobs=3), 400, "logprobs", "true or false"),
+    "spaces-between-shown-special-tokens": (
+        COMPLETIONS,
+        completion(skip_special_tokens=False, spaces_between_special_tokens=True),
+        400,
+        "spaces_between_special_tokens",
+        "spaces_between_special_tokens",
+    ),
+    "top-logprobs-on-completions": (
+        COMPLETIONS,
+        completion(top_logprobs=2),
+        400,
+        "top_logprobs",
+        "logprobs",
+    ),
     "top-logprobs-without-logprobs": (
         CHAT,
         chat(top_logprobs=2),
@@ -515,9 +529,11 @@ def test_fields_we_cannot_honour_are_refused_by_name(server, path, name, value):
     ("path", "body"),
     [
         (COMPLETIONS, completion(use_beam_search=False, length_penalty=1.0, priority=0)),
+        (COMPLETIONS, completion(spaces_between_special_tokens=True)),  # nothing to space
+        (COMPLETIONS, completion(skip_special_tokens=False, spaces_between_special_tokens=False)),
         (CHAT, chat(echo=False, add_special_tokens=False, modalities=["text"])),
     ],
-    ids=["completions", "chat"],
+    ids=["completions", "special-tokens-skipped", "special-tokens-unspaced", "chat"],
 )
 def test_refusable_fields_at_their_off_values_are_accepted(server, path, body):
     response = post(server, path, body)

@@ -147,3 +147,24 @@ def test_gauges_return_to_zero_when_idle(server):
 
     complete(server, PROMPT, 3)
     wait_until(idle, what="idle gauges")
+
+
+def test_http_requests_count_refusals_before_the_engine(server):
+    """A request refused before it reached the engine left no trace in /metrics, so what came
+    in did not balance what the engine finished."""
+
+    def count(snapshot, handler: str, status: str, method: str = "POST") -> float:
+        return metric(snapshot, "http_requests_total", handler=handler, method=method,
+                      status=status)  # fmt: skip
+
+    before = metrics(server.url)
+    complete(server, PROMPT, 1)
+    httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
+    httpx.post(server.url + "/v1/chat/completions", content=b"{", timeout=30)
+    httpx.get(server.url + "/no/such/route", timeout=30)
+    after = metrics(server.url)
+    assert count(after, "/v1/completions", "2xx") == count(before, "/v1/completions", "2xx") + 1
+    assert count(after, "/v1/completions", "4xx") == count(before, "/v1/completions", "4xx") + 1
+    chat = "/v1/chat/completions"
+    assert count(after, chat, "4xx") == count(before, chat, "4xx") + 1
+    assert count(after, "none", "4xx", "GET") == count(before, "none", "4xx", "GET") + 1

@@ -155,20 +155,6 @@ def test_include_reasoning_false_leaves_the_thinking_out(scripted, stream):
     assert reasoning is None and content.strip() == "Wake up, then work."
 
 
-def test_a_streamed_tool_call_sends_no_empty_deltas(scripted):
-    """Each token held back inside <tool_call>...</tool_call> was one empty delta."""
-    server, _ = scripted
-    body = {"model": server.model, "messages": [{"role": "user", "content": "Weather?"}],
-            "tools": TOOLS, "max_tokens": 100, "stream": True}  # fmt: skip
-    raw = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).content
-    choices = [c["choices"][0] for c in sse_payloads(raw) if c["choices"]]
-    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
-    for choice in choices[1:]:
-        delta = choice["delta"]
-        assert delta.get("content") or delta.get("tool_calls") or choice["finish_reason"], choice
-    assert choices[-1]["finish_reason"] == "tool_calls"
-
-
 def test_a_hermes_call_streams_its_arguments_as_they_arrive(scripted):
     """They came in one piece after the closing tag; now as vLLM's parsers send them: the
     call's id and name first, then its arguments in pieces."""

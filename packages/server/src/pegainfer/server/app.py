@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -57,6 +57,9 @@ class ServerState:
     # into reasoning and content, the other turns function calls in them into tool_calls.
     reasoning_parser: Any = None
     tool_call_parser: Any = None
+    # Requests by route and status class, refusals before the engine included (vLLM's
+    # http_requests_total): what came in balances what the engine finished plus the refused.
+    http_registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def ready_client(self) -> AsyncEngineClient:
         if self.client is None:
@@ -204,9 +207,9 @@ def build_app(state: ServerState) -> Starlette:
         return Response(reason, status_code=503)
 
     async def metrics(request: Request) -> Response:
-        if state.client is None:
-            return Response(b"", media_type=CONTENT_TYPE_LATEST)
-        return Response(state.client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        engine = b"" if state.client is None else state.client.metrics.render()
+        body = generate_latest(state.http_registry) + engine
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def version_route(request: Request) -> Response:
         return _json({"version": _version()})
@@ -226,6 +229,7 @@ def build_app(state: ServerState) -> Starlette:
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _crash}
     app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
     app.add_middleware(_AuthMiddleware, api_key=state.api_key)
+    app.add_middleware(_CountRequests, state=state)  # outermost: 401s are counted too
     return app
 
 
@@ -305,6 +309,37 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _crash(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error serving %s", request.url.path, exc_info=exc)
     return APIError(500, "internal server error", code="internal_error").response()
+
+
+class _CountRequests:
+    """Counts each HTTP request by route, method and status class, once its answer starts
+    (plain ASGI middleware, so streaming is untouched). Probes and scrapes are not counted,
+    as vLLM's server leaves them out."""
+
+    _UNCOUNTED = frozenset({"/metrics", "/health", "/version"})
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.requests = Counter(
+            "http_requests", "HTTP requests by handler, method and status class.",
+            ["model_name", "handler", "method", "status"], registry=state.http_registry,
+        )  # fmt: skip
+        self.model = state.model_names[0]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self._UNCOUNTED:
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                handler = getattr(route, "path", None) or "none"
+                status = f"{message['status'] // 100}xx"
+                self.requests.labels(self.model, handler, scope["method"], status).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 class _AuthMiddleware:

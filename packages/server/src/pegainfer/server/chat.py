@@ -273,14 +273,12 @@ class Chat:
             reason = delta.finish_reason
             if reason == "stop" and num_calls[index]:
                 reason = "tool_calls"
-            logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
-            if not (content or reasoning or tool_calls or reason or logprobs
-                    or body.return_token_ids):  # fmt: skip
-                return out  # all of it held back (a tag in pieces): nothing to send yet
-            # A final delta whose text is all held back still carries content "".
+            # A delta whose text is all held back (a tag in pieces) still carries content "":
+            # one chunk per token, which benchmarks count as inter-token latencies.
             message = DeltaMessage(content=content, reasoning=reasoning or None,
                                    reasoning_content=reasoning or None,
                                    tool_calls=tool_calls or None)  # fmt: skip
+            logprobs = self.logprobs.chat(delta.logprobs) if body.logprobs else None
             out.append(chunk(index, message, reason, delta.stop_reason, logprobs))
             if body.return_token_ids:
                 out[-1].choices[0].token_ids = delta.token_ids

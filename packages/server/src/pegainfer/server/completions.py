@@ -82,6 +82,9 @@ class Completions:
         self, body: CompletionRequest
     ) -> tuple[str, list[tuple[EngineRequest, str | None]]]:
         self.logprobs.as_ids = bool(body.return_tokens_as_token_ids)
+        if body.top_logprobs is not None:  # chat's field: here it would be ignored
+            raise bad_request("completions take logprobs (how many alternatives), not "
+                              "top_logprobs", "top_logprobs")  # fmt: skip
         logprobs = completion_count(body.logprobs)
         params = sampling_params(self.client, body, body.max_tokens, logprobs)
         if body.echo and logprobs is not None:  # the echoed prompt's tokens are scored too

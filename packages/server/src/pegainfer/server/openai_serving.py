@@ -56,6 +56,8 @@ def sampling_params(
     forced tool calls); it cannot be combined with one the request asks for.
     """
     refused = unsupported_fields(request)
+    if request.spaces_between_special_tokens and not request.skip_special_tokens:
+        refused.append("spaces_between_special_tokens")
     if refused:
         raise bad_request(
             f"{', '.join(refused)} {'is' if len(refused) == 1 else 'are'} not supported yet",

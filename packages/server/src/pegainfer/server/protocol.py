@@ -40,6 +40,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: Int64 = 0
     skip_special_tokens: bool = True
+    # vLLM's: our decoding never puts spaces between special tokens (false); true only matters
+    # when they are not skipped, and is then refused.
+    spaces_between_special_tokens: bool | None = None
     # Informational only.
     user: str | None = None
     metadata: dict[str, Any] | None = None
