@@ -120,3 +120,23 @@ def test_tokens_queued_before_an_engine_failure_go_out_before_the_error(frontend
     got, error = stream(frontend, engine_config, script)
     assert len(got) == 1 and got[0].token_ids == [o.new_token_ids[0] for o in script[:3]]
     assert isinstance(error, EngineFailedError) and "boom" in str(error)
+
+
+class _BrokenPipe(ScriptedEngine):
+    """A connection whose send fails, as a dead engine process's pipe does."""
+
+    def send(self, message: Inbound) -> None:
+        raise BrokenPipeError("the engine process is gone")
+
+
+def test_a_request_whose_send_fails_gives_its_waiting_slot_back(frontend, engine_config):
+    async def scenario() -> AsyncEngineClient:
+        client = AsyncEngineClient(_BrokenPipe(engine_config, []), frontend, Metrics("m"), 1)
+        request = frontend.make_request("x", frontend.tokenizer.encode("Say", False), params())
+        with pytest.raises(BrokenPipeError):
+            async for _ in client.generate(request, client.reserve(1)):
+                pass
+        client.reserve(1)  # the one waiting slot is free again (ServerBusyError otherwise)
+        return client
+
+    asyncio.run(scenario())

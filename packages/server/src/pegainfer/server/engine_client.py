@@ -124,9 +124,10 @@ class AsyncEngineClient:
         self._waiting.add(request_id)
         # Latencies count from the request's arrival at the frontend, as vLLM's do.
         arrival = last = request.arrival_time
-        self._engine.send(request)
         backlog: deque[RequestOutput] = deque()
         try:
+            # Inside the try: a send that fails still gives the waiting slot back.
+            self._engine.send(request)
             if not self.alive:  # died before our request arrived: no output will come
                 raise EngineFailedError("the engine loop is not running")
             while not stream.finished:
