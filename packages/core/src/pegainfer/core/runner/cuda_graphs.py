@@ -76,11 +76,12 @@ class DecodeGraphs:
         if batch.data_parallel is not None:
             return batch.data_parallel.bucket is not None
         n = batch.num_seqs
+        restarts = self.dummy_slot is not None and batch.starts_states  # recurrent state only
         return (
             batch.is_decode
             and batch.logits_indices.shape[0] == n
             and n <= self.max_batch
-            and not batch.starts_states
+            and not restarts
         )
 
     def capture(self) -> None:

@@ -101,13 +101,12 @@ class MixedGraphs:
         return self.buckets[-1]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Any single-process step within the largest bucket whose states (if any) do not
-        start (recurrent layers restart eagerly)."""
-        return (
-            batch.data_parallel is None
-            and batch.num_tokens <= self.max_tokens
-            and not (batch.starts_states)
-        )
+        """Any single-process step within the largest bucket, unless the model has recurrent
+        state and some sequence's state starts this step (those restart eagerly). The engine
+        gives every sequence a slot, so a prompt's first chunk "starts" one even for a model
+        without state: only the cache says whether that matters."""
+        restarts = self.kv_cache.num_slots > 0 and batch.starts_states
+        return batch.data_parallel is None and batch.num_tokens <= self.max_tokens and not restarts
 
     def capture(self) -> None:
         stream = torch.cuda.Stream(self.device)
