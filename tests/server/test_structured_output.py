@@ -98,4 +98,6 @@ def test_a_grammar_failing_mid_generation_ends_with_an_error_not_stop(server, st
     else:
         assert_error(response, 500)
     assert "grammar failed" in server.logs()
+    # The client is told why, not only that the engine failed.
+    assert "grammar failed after" in response.text
     assert_serving(server.url)

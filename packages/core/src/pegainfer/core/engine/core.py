@@ -640,5 +640,6 @@ class EngineCore:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             finish_reason=request.finish_reason,
             stop_token_id=request.stop_token_id,
+            error=request.error,
             queue_time=queue_time,
         )

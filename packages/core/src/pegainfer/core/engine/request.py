@@ -53,6 +53,7 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended, when finish_reason is "error"
         self.stop_token_id: int | None = None
         self.grammar: Any = None  # its llguidance matcher, with structured output
         # Prompt logprobs by position (1..), until they go out with the first token.
@@ -124,9 +125,9 @@ class Request:
             # The grammar engine gave up (a lexer or parser limit): the output can no longer be
             # held to the constraint, so the request ends with an error, never a quiet "stop".
             self.finish_reason = "error"
-            logger.warning("request %s: its structured output's grammar failed after %d tokens: "
-                           "%s", self.request_id, outputs,
-                           self.grammar.get_error().split("\n", 1)[0])  # fmt: skip
+            reason = self.grammar.get_error().split("\n", 1)[0]
+            self.error = f"the structured output's grammar failed after {outputs} tokens: {reason}"
+            logger.warning("request %s: %s", self.request_id, self.error)
         elif token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
             self.finish_reason, self.stop_token_id = "stop", token_id
         elif self.grammar is not None and self.grammar.is_stopped():
