@@ -77,7 +77,6 @@ class MixedGraphs:
         dummy_block: int,
         block_size: int,
         device: torch.device,
-        pool: object | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -85,7 +84,6 @@ class MixedGraphs:
         self.dummy_block = dummy_block
         self.block_size = block_size
         self.device = device
-        self.pool = pool
         self.cuts = model.piecewise_cuts()
         largest = max(buckets)
         # Static inputs: [input_ids, positions, slot_mapping] per row; padding rows keep these.
@@ -111,7 +109,7 @@ class MixedGraphs:
     def capture(self) -> None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()  # the pieces' own (not the decode graphs')
         for bucket in reversed(self.buckets):
             batch = self._static_batch(bucket)
             # Warm-up, eagerly and whole: compiles kernels for this size, settles allocations.

@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pegainfer.core.engine.messages import TokenLogprob
 from pegainfer.core.engine.request import Request
-from pegainfer.core.runner.forward_batch import to_device
+from pegainfer.core.runner.forward_batch import to_device, to_device_array
 from pegainfer.core.sampling.structured_output import mask_logits
 
 
@@ -130,10 +131,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     for row, bias in enumerate(batch.biases):
         if bias:
             ids = to_device(list(bias), logits.device)
-            values = torch.tensor(list(bias.values()), dtype=logits.dtype)
-            if logits.is_cuda:
-                values = values.pin_memory().to(logits.device, non_blocking=True)
-            logits[row, ids] += values
+            values = np.fromiter(bias.values(), np.float32, len(bias))
+            logits[row, ids] += to_device_array(values, logits.device)
     for row, penalties in enumerate(batch.penalties):
         if penalties is not None:
             penalties.apply(logits[row])
