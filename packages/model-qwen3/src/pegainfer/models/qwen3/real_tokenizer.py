@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tokenizers import normalizers
 
+from pegainfer.core.text.tiktoken_bpe import convert_tiktoken_bpe
 from pegainfer.core.text.tiny_tokenizer import write_tokenizer_config
-from pegainfer.models.qwen3.tiktoken_bpe import convert_tiktoken_bpe
 from pegainfer.models.qwen3.tiny import write_generation_config
 
 # Qwen2/Qwen3's pre-tokenization regex: as tiktoken's cl100k, but digits split one by one.

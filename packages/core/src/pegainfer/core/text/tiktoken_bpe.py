@@ -1,6 +1,6 @@
 """Convert a tiktoken BPE ranks file into a Hugging Face `tokenizers.Tokenizer`.
 
-Some vocabularies (Qwen's among them) ship only as tiktoken ranks files, while pegainfer and
+Some vocabularies (Qwen's, Kimi-K2's) ship only as tiktoken ranks files, while pegainfer and
 transformers load `tokenizer.json`. A ranks file lists each token's bytes (base64) and its rank;
 tiktoken merges, within each regex piece, the adjacent pair whose concatenation has the lowest
 rank, and takes a piece that is itself a token whole. A Hugging Face byte-level BPE does the same
