@@ -21,6 +21,14 @@ HISTOGRAMS = [
     "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_params_n",
+    "vllm:request_params_max_tokens",
+    "vllm:iteration_tokens_total",
 ]
 GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
 
@@ -78,7 +86,36 @@ def test_counters_move_by_what_a_request_did(server):
         "vllm:inter_token_latency_seconds_count": n - 1,  # one token per step
         "vllm:e2e_request_latency_seconds_count": 1,
         "vllm:request_queue_time_seconds_count": 1,
+        "vllm:request_prefill_time_seconds_count": 1,
+        "vllm:request_decode_time_seconds_count": 1,
+        "vllm:request_inference_time_seconds_count": 1,
+        "vllm:request_prompt_tokens_count": 1,
+        "vllm:request_generation_tokens_count": 1,
+        "vllm:request_params_n_count": 1,
+        "vllm:request_params_max_tokens_count": 1,
+        "vllm:iteration_tokens_total_count": n,  # the prompt's step, then n - 1 decode steps
     }
+    sums = [
+        "vllm:request_prompt_tokens_sum",
+        "vllm:request_generation_tokens_sum",
+        "vllm:request_params_n_sum",
+        "vllm:request_params_max_tokens_sum",
+        "vllm:iteration_tokens_total_sum",
+    ]
+    assert deltas(before, after, sums) == {
+        "vllm:request_prompt_tokens_sum": prompt_tokens,
+        "vllm:request_generation_tokens_sum": n,
+        "vllm:request_params_n_sum": 1,
+        "vllm:request_params_max_tokens_sum": n,
+        "vllm:iteration_tokens_total_sum": prompt_tokens + n - 1,
+    }
+    names = [
+        f"vllm:request_{p}_time_seconds_sum" for p in ("queue", "prefill", "decode", "inference")
+    ]
+    phases = deltas(before, after, names)
+    queue, prefill, decode, inference = phases.values()
+    assert min(queue, prefill, decode) >= 0 and decode > 0
+    assert abs(prefill + decode - inference) < 1e-6
     success = {
         reason: metric(after, "vllm:request_success_total", finished_reason=reason)
         - metric(before, "vllm:request_success_total", finished_reason=reason)
@@ -92,6 +129,20 @@ def test_counters_move_by_what_a_request_did(server):
         before, "vllm:e2e_request_latency_seconds_sum"
     )
     assert 0 < ttft <= e2e < 30
+
+
+def test_cache_config_info_names_the_kv_cache(server):
+    families = {f.name: f for f in text_string_to_metric_families(metrics_text(server))}
+    (sample,) = families["vllm:cache_config_info"].samples
+    assert sample.value == 1
+    assert int(sample.labels["block_size"]) > 0 and int(sample.labels["num_gpu_blocks"]) > 0
+    assert sample.labels["cache_dtype"] in ("float32", "bfloat16", "float16")
+
+
+def metrics_text(server) -> str:
+    response = httpx.get(server.url + "/metrics", timeout=30)
+    assert response.status_code == 200
+    return response.text
 
 
 def test_prefix_cache_hits_match_cached_tokens(server):

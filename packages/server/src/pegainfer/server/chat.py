@@ -166,6 +166,7 @@ class Chat:
             (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body), None)
             for i, p in enumerate(choice_params(params, body.n))
         ]
+        self.client.metrics.record_request_params(body.n)
         tool_calls = self._tool_call_parser(body, forced)
         max_calls = None if parallel else 1
         return rid, requests, lambda: AnswerParser(self.reasoning_parser, tool_calls, max_calls)

@@ -196,8 +196,17 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
             chosen = parsers.resolve(parsers.registry(), _requested_parsers(server), line_defaults)
             state.reasoning_parser = chosen["reasoning"]
             state.tool_call_parser = chosen["tool_call"]
+            metrics = Metrics(
+                names[0],
+                engine_config.max_model_len,
+                {
+                    "block_size": str(engine_config.block_size),
+                    "num_gpu_blocks": str(engine_config.num_kv_blocks),
+                    "cache_dtype": str(engine_config.dtype).removeprefix("torch."),
+                },
+            )
             state.client = AsyncEngineClient(
-                engine, frontend, Metrics(names[0]), server["max_waiting_requests"]
+                engine, frontend, metrics, server["max_waiting_requests"]
             )
             logger.info("ready: serving %s at http://%s:%s", names, server["host"], server["port"])
         except PegainferError as exc:

@@ -91,6 +91,7 @@ class Completions:
             most = max(logprobs, params.prompt_logprobs or 0)
             params = msgspec.structs.replace(params, prompt_logprobs=most)
         copies = choice_params(params, body.n)
+        self.client.metrics.record_request_params(body.n)
         rid = request_id("cmpl")
         prompts = []
         for text, ids in _prompts(self.client, body.prompt):

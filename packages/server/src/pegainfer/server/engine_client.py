@@ -157,7 +157,13 @@ class AsyncEngineClient:
                 self._engine.send(AbortRequest([request_id]))
                 reason = "abort" if self.alive else "error"
                 elapsed = time.time() - arrival
-                self.metrics.record_finished(reason, len(request.prompt_token_ids), elapsed, None)
+                self.metrics.record_finished(
+                    reason,
+                    len(request.prompt_token_ids),
+                    elapsed,
+                    generation_tokens=len(stream.token_ids),
+                    max_tokens=request.params.max_tokens,
+                )
 
     def _process(
         self, stream: RequestStream, output: RequestOutput, arrival: float, last: float
@@ -177,5 +183,12 @@ class AsyncEngineClient:
         if stream.finished:
             prompt_tokens = len(stream.prompt_token_ids)
             reason = stream.finish_reason or "abort"
-            self.metrics.record_finished(reason, prompt_tokens, now - arrival, output.queue_time)
+            self.metrics.record_finished(
+                reason,
+                prompt_tokens,
+                now - arrival,
+                generation_tokens=len(stream.token_ids),
+                max_tokens=stream.params.max_tokens,
+                timing=output.timing,
+            )
         return delta, last

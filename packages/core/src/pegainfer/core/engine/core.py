@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,12 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.distributed.data_parallel import DataParallelScheduler, rank_plans
 from pegainfer.core.distributed.tensor_parallel import TensorParallelRanks, WorkerSpec
 from pegainfer.core.engine.frontend import RequestLimits
-from pegainfer.core.engine.messages import EngineRequest, EngineStats, RequestOutput
+from pegainfer.core.engine.messages import (
+    EngineRequest,
+    EngineStats,
+    RequestOutput,
+    RequestTiming,
+)
 from pegainfer.core.engine.request import Request
 from pegainfer.core.engine.scheduler import (
     ScheduledChunk,
@@ -330,6 +336,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.async_scheduling = args.async_scheduling
         self._in_flight: _Launched | None = None
+        self._step_tokens: list[int] = []  # per launched step, until the next stats()
         self.grammars = Grammars(tokenizer_dir, self.config.vocab_size)
 
     @staticmethod
@@ -469,6 +476,8 @@ class EngineCore:
         if self.offload is not None:
             self._await_restores(step)
         launched = self._launch(step) if step.chunks else None
+        if launched is not None:
+            self._step_tokens.append(sum(chunk.num_tokens for chunk in step.chunks))
         if not self.async_scheduling:
             return self._commit(launched) if launched is not None else []
         outputs = early + (self._commit(self._in_flight) if self._in_flight is not None else [])
@@ -618,7 +627,9 @@ class EngineCore:
         )
 
     def stats(self) -> EngineStats:
+        """The engine's state now; the tokens of the steps launched since the last call."""
         counters = self.scheduler.counters
+        step_tokens, self._step_tokens = self._step_tokens, []
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -627,13 +638,24 @@ class EngineCore:
             prefix_cache_hits=counters.prefix_hits,
             prefix_cache_hits_host=counters.prefix_hits_host,
             num_preemptions=counters.preemptions,
+            step_tokens=step_tokens,
         )
 
     @staticmethod
     def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
-        queue_time = None
+        now = time.time()
+        if new_token_ids and request.first_token_time is None:
+            request.first_token_time = now
+        timing = None
         if request.finished and request.first_scheduled_time is not None:
-            queue_time = max(request.first_scheduled_time - request.arrival_time, 0.0)
+            scheduled = request.first_scheduled_time
+            first = request.first_token_time if request.first_token_time is not None else now
+            timing = RequestTiming(
+                queue=max(scheduled - request.arrival_time, 0.0),
+                prefill=max(first - scheduled, 0.0),
+                decode=max(now - first, 0.0),
+                inference=max(now - scheduled, 0.0),
+            )
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -641,5 +663,5 @@ class EngineCore:
             finish_reason=request.finish_reason,
             stop_token_id=request.stop_token_id,
             error=request.error,
-            queue_time=queue_time,
+            timing=timing,
         )

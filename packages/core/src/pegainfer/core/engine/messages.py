@@ -44,6 +44,16 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
 
 
+class RequestTiming(msgspec.Struct, frozen=True):
+    """Where a finished request's time went on the engine's clock, in seconds (vLLM's split):
+    waiting to be scheduled, scheduled to first token, first to last token, scheduled to last."""
+
+    queue: float
+    prefill: float
+    decode: float
+    inference: float
+
+
 class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one step produced for one request.
 
@@ -58,8 +68,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_token_id: int | None = None
     error: str | None = None
-    # On the final output: seconds from arrival to first scheduling.
-    queue_time: float | None = None
+    # On the final output of a request that was scheduled.
+    timing: RequestTiming | None = None
     # One per new token, when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
     # With the first token, when asked: prompt tokens 1.. scored by the prompt before them.
@@ -91,6 +101,8 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits: int
     num_preemptions: int
     prefix_cache_hits_host: int = 0  # of prefix_cache_hits, restored from the host tier
+    # Tokens (prompt and output) of each step launched since the previous stats.
+    step_tokens: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineOutputs(msgspec.Struct):

@@ -6,9 +6,11 @@ The engine loop only reports state (`EngineStats`) and per-request outputs; ever
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pegainfer.core.engine.messages import EngineStats
+from pegainfer.core.engine.messages import EngineStats, RequestTiming
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -19,11 +21,34 @@ _ITL_BUCKETS = (
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def _one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token-count histograms)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
+
 
 class Metrics:
-    """One model's serving metrics in their own registry."""
+    """One model's serving metrics in their own registry.
 
-    def __init__(self, model_name: str) -> None:
+    `max_model_len` bounds the token-count histograms; `cache_info` becomes the labels of
+    `vllm:cache_config_info` (block size, number of blocks, cache dtype).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int = 1 << 20,
+        cache_info: Mapping[str, str] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -68,6 +93,41 @@ class Metrics:
         self._queue = histogram(
             "vllm:request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
         )
+        self._prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "First scheduling to first token.",
+            _LATENCY_BUCKETS,
+        )
+        self._decode = histogram(
+            "vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+        )
+        self._inference = histogram(
+            "vllm:request_inference_time_seconds",
+            "First scheduling to last token.",
+            _LATENCY_BUCKETS,
+        )
+        tokens = _one_two_five(max_model_len)
+        self._request_prompt = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of each finished request.", tokens
+        )
+        self._request_generation = histogram(
+            "vllm:request_generation_tokens", "Output tokens of each finished request.", tokens
+        )
+        self._max_tokens = histogram(
+            "vllm:request_params_max_tokens", "max_tokens of each finished request.", tokens
+        )
+        self._n = histogram("vllm:request_params_n", "n of each request.", _N_BUCKETS)
+        self._step_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens per engine step.", _STEP_TOKEN_BUCKETS
+        )
+        info = {**(cache_info or {}), "model_name": model_name}
+        cache = Gauge(
+            "vllm:cache_config_info",
+            "Information of the KV cache (labels); the value is 1.",
+            sorted(info),
+            registry=r,
+        )
+        cache.labels(**info).set(1)
         self._model = model_name
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0)
 
@@ -81,6 +141,9 @@ class Metrics:
         self._prefix_hits.labels(m).inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self._host_hits.labels(m).inc(stats.prefix_cache_hits_host - last.prefix_cache_hits_host)
         self._preemptions.labels(m).inc(stats.num_preemptions - last.num_preemptions)
+        step_tokens = self._step_tokens.labels(m)
+        for tokens in stats.step_tokens:
+            step_tokens.observe(tokens)
         self._last = stats
 
     def record_tokens(self, num_tokens: int, *, first: bool, latency: float) -> None:
@@ -88,15 +151,34 @@ class Metrics:
         self._generation_tokens.labels(self._model).inc(num_tokens)
         (self._ttft if first else self._itl).labels(self._model).observe(latency)
 
+    def record_request_params(self, n: int) -> None:
+        """A new API request asking for `n` choices."""
+        self._n.labels(self._model).observe(n)
+
     def record_finished(
-        self, finish_reason: str, prompt_tokens: int, e2e: float, queue_time: float | None
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        e2e: float,
+        *,
+        generation_tokens: int = 0,
+        max_tokens: int | None = None,
+        timing: RequestTiming | None = None,
     ) -> None:
+        """A request ended; `timing` is the engine's account of it, when it was scheduled."""
         m = self._model
         self._prompt_tokens.labels(m).inc(prompt_tokens)
         self._success.labels(m, finish_reason).inc()
         self._e2e.labels(m).observe(e2e)
-        if queue_time is not None:
-            self._queue.labels(m).observe(queue_time)
+        self._request_prompt.labels(m).observe(prompt_tokens)
+        self._request_generation.labels(m).observe(generation_tokens)
+        if max_tokens is not None:
+            self._max_tokens.labels(m).observe(max_tokens)
+        if timing is not None:
+            self._queue.labels(m).observe(timing.queue)
+            self._prefill.labels(m).observe(timing.prefill)
+            self._decode.labels(m).observe(timing.decode)
+            self._inference.labels(m).observe(timing.inference)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,6 +52,7 @@ class Request:
         self.num_cached_tokens = -1  # set at first admission
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended, when finish_reason is "error"
         self.stop_token_id: int | None = None
