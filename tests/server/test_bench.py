@@ -66,7 +66,14 @@ def test_serve_completions_at_once(server, tmp_path, capsys):
     assert result["total_cached_tokens"] == 0  # every prompt differs from its first token
     assert {"command", "date", "revision", "server_version"} <= set(result)
     assert result["server_version"]
-    assert "Serving Benchmark Result" in capsys.readouterr().out
+    # The server's own account of the run: 6 requests' phases, and its steps' tokens cover
+    # every prompt token and every fed-back output token (no other requests ran meanwhile).
+    server_side = result["server"]
+    assert server_side["mean_queue_ms"] >= 0 and server_side["mean_prefill_ms"] > 0
+    tokens = server_side["engine_steps"] * server_side["mean_step_tokens"]
+    assert round(tokens) == 6 * IN + 6 * (OUT - 1)
+    report = capsys.readouterr().out
+    assert "Serving Benchmark Result" in report and "Server mean queue time (ms):" in report
 
 
 def test_serve_chat_poisson_with_concurrency_limit(server):

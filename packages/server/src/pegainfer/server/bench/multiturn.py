@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pegainfer.server.bench import server_side
 from pegainfer.server.bench.client import BenchClient, Generation, RequestResult
 from pegainfer.server.bench.datasets import RandomTokens
 from pegainfer.server.bench.options import add_common_args, positive_int, subcommand
@@ -109,11 +110,13 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             for conversation in pending:  # shared: each worker takes the next one
                 await converse(conversation)
 
+        server_before = await server_side.scrape(client)
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(args.concurrency, args.conversations))))
         duration = time.perf_counter() - start
+        server = server_side.breakdown(server_before, await server_side.scrape(client))
     print_failures("conversation", [t.result for t in turns])
-    result = metadata | _record(args, generation, turns, start, duration)
+    result = metadata | _record(args, generation, turns, start, duration) | {"server": server}
     print(_report(result))
     if args.result_json:
         write_json(args.result_json, result)
@@ -201,6 +204,7 @@ def _report(result: dict[str, Any]) -> str:
         ("Prefix cache hit tokens:", result["total_cached_tokens"]),
         ("Output token throughput (tok/s):", result["output_throughput"]),
         ("Total token throughput (tok/s):", result["total_token_throughput"]),
+        *server_side.report_rows(result.get("server", {})),
     ]
     rows_by_turn = [[row[key] for _, key in _TURN_COLUMNS] for row in result["per_turn"]]
     table = markdown_table([header for header, _ in _TURN_COLUMNS], rows_by_turn)

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pegainfer.server.bench import server_side
 from pegainfer.server.bench.client import BenchClient, Generation, RequestResult
 from pegainfer.server.bench.datasets import RandomTokens
 from pegainfer.server.bench.options import (
@@ -189,6 +190,7 @@ async def _run(
 
     warmups = await asyncio.gather(*map(limited, prompts[: args.num_warmups]))
     print_failures("warm-up", warmups)
+    server_before = await server_side.scrape(client)
     start = time.perf_counter()
     tasks = []
     arrivals = arrival_times(args.num_prompts, request_rate, seed)
@@ -199,8 +201,10 @@ async def _run(
         tasks.append(asyncio.create_task(limited(prompt)))
     results: list[RequestResult] = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
+    server = server_side.breakdown(server_before, await server_side.scrape(client))
     print_failures("benchmark", results)
     result = _record(args, generation, request_rate, seed, results, start, duration)
+    result["server"] = server
     print(_report(result))
     return result
 
@@ -290,6 +294,7 @@ def _report(result: dict[str, Any]) -> str:
         ("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"]),
         ("Peak concurrent requests:", result["max_concurrent_requests"]),
         ("Total token throughput (tok/s):", result["total_token_throughput"]),
+        *server_side.report_rows(result.get("server", {})),
     ]
     return block("Serving Benchmark Result", rows, result)
 
