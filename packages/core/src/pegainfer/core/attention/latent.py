@@ -424,11 +424,8 @@ class MultiHeadLatentAttention:
         return out
 
     def _absorbed(self, q_nope, q_pe, ckv_layer, kpe_layer, w_uk, w_uv) -> torch.Tensor:
-        # Head-major ([heads, tokens, ...]) around attention, which reads and writes that
-        # layout through strides: nothing is transposed in memory.
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        latent = self.absorbed.run(q_latent, q_pe, ckv_layer, kpe_layer)
-        return torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        latent = self.absorbed.run(absorb_query(q_nope, w_uk), q_pe, ckv_layer, kpe_layer)
+        return project_values(latent, w_uv)
 
     def _expanded(self, q_nope, q_pe, ckv_layer, kpe_layer, kv_b) -> torch.Tensor:
         s, slots = self.shape, self._split.expanded_slots
@@ -447,6 +444,20 @@ class MultiHeadLatentAttention:
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The absorbed form's queries: q_nope [tokens, heads, nope] through each head's key
+    up-projection w_uk [heads, nope, latent] → [tokens, heads, latent]. Head-major
+    ([heads, tokens, ...]) around the product, through strides: nothing is transposed in
+    memory (attention reads that layout as it is)."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+
+def project_values(latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The absorbed form's output: latent [tokens, heads, latent] through each head's value
+    up-projection w_uv [heads, value, latent] → [tokens, heads, value]."""
+    return torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 def _sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:

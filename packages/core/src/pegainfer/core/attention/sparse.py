@@ -1,0 +1,423 @@
+"""DeepSeek sparse attention (DSA) over the paged latent cache: each query row attends (MLA,
+absorbed form) only to the `top_k` keys a lightning indexer selects for it. GLM-5 and
+DeepSeek-V3.2 attend this way; the maths is in `ops.sparse_attention`.
+
+Per step the model plans once (`plan`, outside any CUDA graph), then in every layer with an
+indexer asks for the selection (`select`: its queries and weights over that layer's indexer-key
+arena) and attends over it (`run`); a layer that shares the previous indexer layer's selection
+(GLM-5.2's `indexer_types`) passes that one on.
+
+While no sequence of a step has more keys than `top_k`, every row selects every key it sees:
+attention is exactly dense MLA, and an eager step runs core's `MultiHeadLatentAttention` without
+scoring anything (`select` returns None). Past that, every row of the step attends sparsely. The
+indexer keys are still written for every token (later rows score them).
+
+On CUDA the scores are one Triton kernel (`kernels.indexer`), the top-k is torch's, and
+attention is FlashInfer's MLA over a page-size-1 view of the cache whose "pages" are each row's
+selected slots (one request per row, not causal: the selection is). Decode steps replay CUDA
+graphs: their scores span `max_model_len` columns (blocks past a row's length only store -inf)
+and their selections land in fixed index buffers. Elsewhere the torch references run.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pegainfer.core.attention.latent import (
+    MLA_PLAN_WORK_ITEMS,
+    LatentShape,
+    MultiHeadLatentAttention,
+    absorb_query,
+    make_latent_attention,
+    mla_plan_work_items,
+    project_values,
+)
+from pegainfer.core.attention.paged import PlanStaging
+from pegainfer.core.errors import ConfigError
+from pegainfer.core.model_line import RuntimeConfig
+from pegainfer.core.ops import sparse_attention
+from pegainfer.core.runner.forward_batch import ForwardBatch, to_device_array
+
+# The most score entries (rows × columns, float32) one `select` call holds at once: an eager
+# step's rows are scored in chunks of at most this many entries.
+_SCORE_ENTRIES = 1 << 27
+
+Scores = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class IndexerShape:
+    """The lightning indexer's queries (`heads` × `dim` per row), its keys (`dim`), the scale
+    inside its ReLU, and how many keys each row keeps."""
+
+    heads: int
+    dim: int
+    top_k: int
+    scale: float
+
+
+@dataclass
+class SparseStep:
+    """One sparse step's rows as the indexer addresses them (`ops.sparse_attention`)."""
+
+    positions: torch.Tensor  # [rows] on the device: row t sees positions[t] + 1 keys
+    seq_of_row: torch.Tensor  # [rows] int32 on the device
+    block_tables: torch.Tensor  # [sequences, pages] int32 on the device
+    block_size: int
+    columns: int  # scores per row: the step's longest sequence (a graph: max_model_len)
+    top_k: int  # selected slots per row (valid ones: `counts`)
+    counts: torch.Tensor  # [rows] int32 on the device
+    counts_cpu: np.ndarray  # [rows] int32
+
+
+def _step_counts(batch: ForwardBatch, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's sequence and number of valid selected keys, min(top_k, position + 1)."""
+    q_lens = np.asarray(batch.query_lens_cpu, dtype=np.int64)
+    seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
+    seq_of_row = np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
+    ends = np.cumsum(q_lens)
+    # Row t of sequence i sits at position seq_len - (end - t) and sees one more key.
+    seen = np.repeat(seq_lens - ends, q_lens) + np.arange(int(ends[-1]) if len(ends) else 0) + 1
+    return seq_of_row.astype(np.int32), np.minimum(seen, top_k).astype(np.int32)
+
+
+def _padded_tables(batch: ForwardBatch, pages: int) -> np.ndarray:
+    """The step's block tables cut or padded (with block 0, never read) to `pages` columns."""
+    tables = np.zeros((batch.num_seqs, pages), dtype=np.int32)
+    for i, table in enumerate(batch.block_tables_cpu):
+        held = table[:pages]
+        tables[i, : len(held)] = held
+    return tables
+
+
+class SparseLatentBackend(ABC):
+    """The absorbed form's attention over each row's selected slots."""
+
+    def __init__(self, shape: LatentShape) -> None:
+        self.shape = shape
+
+    @abstractmethod
+    def plan(self, step: SparseStep) -> None:
+        """Prepare for `run` calls on `step` (once per step, never inside a CUDA graph)."""
+
+    def plan_graph(self, step: SparseStep, bucket: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    @abstractmethod
+    def run(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv_layer: torch.Tensor,
+        kpe_layer: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """q_latent [rows, heads, latent], q_pe [rows, heads, rope], slots [rows, top_k] → out
+        [rows, heads, latent]."""
+
+
+class TorchSparseLatent(SparseLatentBackend):
+    """The reference (`ops.sparse_attention.sparse_latent_attention`)."""
+
+    def plan(self, step: SparseStep) -> None:
+        self._counts = step.counts
+
+    def plan_graph(self, step: SparseStep, bucket: int) -> None:
+        """A padded decode batch, run eagerly (the reference is never captured)."""
+        self.plan(step)
+
+    def run(self, q_latent, q_pe, ckv_layer, kpe_layer, slots) -> torch.Tensor:
+        return sparse_attention.sparse_latent_attention(
+            q_latent, q_pe, ckv_layer, kpe_layer, slots, self._counts, self.shape.scale
+        )
+
+
+def rows_per_plan(num_heads: int, num_sms: int) -> int:
+    """The most one-row requests one FlashInfer MLA plan holds (its planner's work items)."""
+    low, high = 1, MLA_PLAN_WORK_ITEMS
+    while low < high:
+        mid = (low + high + 1) // 2
+        if mla_plan_work_items(num_heads, mid, mid, num_sms) <= MLA_PLAN_WORK_ITEMS:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@dataclass
+class _Planned:
+    """One FlashInfer plan over rows [start, end): the slots it reads (packed, one row's after
+    another) and where in the step's [rows, top_k] selection each comes from."""
+
+    wrapper: object
+    staging: PlanStaging
+    start: int
+    end: int
+    kv_indices: torch.Tensor
+    gather: torch.Tensor
+
+
+class FlashInferSparseLatent(SparseLatentBackend):
+    """FlashInfer's MLA with page size 1: each row is a request whose pages are its selected
+    slots, packed (`kv_indptr` from the host-known counts). An eager step's rows are split
+    between plans of at most `rows_per_plan` rows (the planner's capacity); each graph bucket
+    has its own wrapper over fixed buffers into which `run` gathers the selection."""
+
+    def __init__(
+        self,
+        shape: LatentShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        workspace: torch.Tensor,
+        max_rows: int,
+        graph_buckets: tuple[int, ...],
+        top_k: int,
+        backend: str = "fa2",
+    ) -> None:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        super().__init__(shape)
+        self.dtype, self.device, self.backend = dtype, device, backend
+        self.workspace = workspace
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.rows_per_plan = rows_per_plan(shape.num_heads, sms)
+        plans = -(-max_rows // self.rows_per_plan)
+        # Each wrapper stages its plans in its own pinned buffer (`PlanStaging`).
+        self._eager = [(BatchMLAPagedAttentionWrapper(workspace, backend=backend), PlanStaging())
+                       for _ in range(plans)]  # fmt: skip
+        largest = max(graph_buckets, default=0)
+        if largest > self.rows_per_plan:
+            raise ConfigError(
+                f"a decode graph of {largest} rows at {shape.num_heads} heads overruns "
+                f"FlashInfer's MLA planner ({self.rows_per_plan} rows): lower --max-num-seqs"
+            )
+        i32 = {"dtype": torch.int32, "device": device}
+        self._graph_indices = torch.zeros(largest * top_k, **i32)
+        self._graph_gather = torch.zeros(largest * top_k, dtype=torch.int64, device=device)
+        qo_indptr, kv_indptr = torch.zeros(largest + 1, **i32), torch.zeros(largest + 1, **i32)
+        kv_lens = torch.zeros(largest, **i32)
+        self._graph = {
+            bucket: (BatchMLAPagedAttentionWrapper(
+                workspace, use_cuda_graph=True, qo_indptr=qo_indptr[: bucket + 1],
+                kv_indptr=kv_indptr[: bucket + 1], kv_indices=self._graph_indices[: bucket * top_k],
+                kv_len_arr=kv_lens[:bucket], backend=backend,
+            ), PlanStaging())
+            for bucket in graph_buckets
+        }  # fmt: skip
+        self._planned: list[_Planned] = []
+
+    def _plan_rows(self, planned: _Planned, counts: np.ndarray, top_k: int) -> None:
+        """Plan rows with `counts` valid slots each; fill `gather` (the packed slots' places in
+        a [rows, top_k] selection) from the host."""
+        rows = len(counts)
+        kv_indptr = np.zeros(rows + 1, dtype=np.int32)
+        np.cumsum(counts, out=kv_indptr[1:])
+        total = int(kv_indptr[-1])
+        places = np.arange(total, dtype=np.int64) + np.repeat(
+            np.arange(rows, dtype=np.int64) * top_k - kv_indptr[:-1], counts
+        )
+        planned.gather[:total].copy_(to_device_array(places, self.device))
+        s = self.shape
+        with planned.staging:
+            planned.wrapper.plan(
+                torch.arange(rows + 1, dtype=torch.int32).pin_memory(),
+                torch.from_numpy(kv_indptr).pin_memory(),
+                planned.kv_indices,
+                torch.from_numpy(np.ascontiguousarray(counts)).pin_memory(),
+                s.num_heads, s.latent_dim, s.rope_dim,
+                1,  # page size: a "page" is one selected slot
+                False,  # the selection is already causal
+                s.scale, self.dtype, self.dtype,
+            )  # fmt: skip
+
+    def plan(self, step: SparseStep) -> None:
+        self._planned = []
+        n = len(step.counts_cpu)
+        for i, start in enumerate(range(0, n, self.rows_per_plan)):
+            end = min(start + self.rows_per_plan, n)
+            counts = step.counts_cpu[start:end]
+            total = int(counts.sum())
+            planned = _Planned(
+                *self._eager[i], start, end,
+                torch.empty(total, dtype=torch.int32, device=self.device),
+                torch.empty(total, dtype=torch.int64, device=self.device),
+            )  # fmt: skip
+            self._plan_rows(planned, counts, step.top_k)
+            self._planned.append(planned)
+
+    def plan_graph(self, step: SparseStep, bucket: int) -> None:
+        width = bucket * step.top_k
+        planned = _Planned(*self._graph[bucket], 0, bucket, self._graph_indices[:width],
+                           self._graph_gather[:width])  # fmt: skip
+        planned.gather.zero_()  # slots past the valid ones are gathered too (never read)
+        self._plan_rows(planned, step.counts_cpu, step.top_k)
+        self._planned = [planned]
+
+    def run(self, q_latent, q_pe, ckv_layer, kpe_layer, slots) -> torch.Tensor:
+        ckv = ckv_layer.view(-1, 1, ckv_layer.shape[-1])
+        kpe = kpe_layer.view(-1, 1, kpe_layer.shape[-1])
+        if len(self._planned) == 1:
+            p = self._planned[0]
+            torch.index_select(slots.reshape(-1), 0, p.gather, out=p.kv_indices)
+            return p.wrapper.run(q_latent, q_pe, ckv, kpe)
+        out = torch.empty_like(q_latent)
+        for p in self._planned:
+            rows = slice(p.start, p.end)
+            torch.index_select(slots[rows].reshape(-1), 0, p.gather, out=p.kv_indices)
+            out[rows] = p.wrapper.run(q_latent[rows], q_pe[rows], ckv, kpe)
+        return out
+
+
+class SparseLatentAttention:
+    """A model's DSA attention: dense MLA (`dense`) while every sequence of an eager step fits
+    in `top_k` keys, the indexer's selection and `sparse` attention over it otherwise and in
+    decode graphs."""
+
+    def __init__(
+        self,
+        indexer: IndexerShape,
+        dense: MultiHeadLatentAttention,
+        sparse: SparseLatentBackend,
+        scores: Scores,
+        runtime: RuntimeConfig,
+        device: torch.device,
+    ) -> None:
+        self.indexer = indexer
+        self.dense = dense
+        self.sparse = sparse
+        self.scores = scores
+        self.max_model_len = runtime.max_model_len
+        self.device = device
+        self._step: SparseStep | None = None
+        pages = runtime.max_pages_per_seq
+        largest = max(runtime.graph_buckets, default=0)
+        self._graph_tables = torch.zeros(largest, pages, dtype=torch.int32, device=device)
+        self._graph_rows = torch.arange(largest, dtype=torch.int32, device=device)
+        self._graph_counts = torch.zeros(largest, dtype=torch.int32, device=device)
+
+    @property
+    def transient_bytes(self) -> int:
+        """The dense form's, or one chunk of scores and its top-k, whichever is larger."""
+        return max(self.dense.transient_bytes, _SCORE_ENTRIES * 4 * 2)
+
+    @property
+    def is_sparse(self) -> bool:
+        """Whether this step's rows attend to their selections."""
+        return self._step is not None
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Plan an eager step: dense while it fits in top_k keys per sequence."""
+        columns = max(batch.seq_lens_cpu)
+        if columns <= self.indexer.top_k:
+            self._step = None
+            self.dense.plan(batch)
+            return
+        seq_of_row, counts = _step_counts(batch, self.indexer.top_k)
+        bs = batch.block_size
+        tables = _padded_tables(batch, -(-columns // bs))
+        host = np.concatenate([seq_of_row, counts, tables.reshape(-1)])
+        device = to_device_array(host, self.device).split(
+            [len(seq_of_row), len(counts), tables.size]
+        )
+        self._step = SparseStep(
+            positions=batch.positions, seq_of_row=device[0], block_tables=device[2].view(
+                tables.shape), block_size=bs, columns=columns, top_k=self.indexer.top_k,
+            counts=device[1], counts_cpu=counts,
+        )  # fmt: skip
+        self.sparse.plan(self._step)
+
+    def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        """Plan a decode batch padded to `bucket` rows for a graph: always sparse, over
+        `max_model_len` columns (its rows select all their keys until they outgrow top_k)."""
+        top_k = min(self.indexer.top_k, self.max_model_len)
+        _, counts = _step_counts(batch, top_k)
+        tables = _padded_tables(batch, self._graph_tables.shape[1])
+        width = max(1, max(len(t) for t in batch.block_tables_cpu))
+        self._graph_tables[:bucket, :width].copy_(
+            to_device_array(np.ascontiguousarray(tables[:, :width]), self.device)
+        )
+        self._graph_counts[:bucket].copy_(to_device_array(counts, self.device))
+        self._step = SparseStep(
+            positions=batch.positions, seq_of_row=self._graph_rows[:bucket],
+            block_tables=self._graph_tables[:bucket], block_size=batch.block_size,
+            columns=self.max_model_len, top_k=top_k, counts=self._graph_counts[:bucket],
+            counts_cpu=counts,
+        )  # fmt: skip
+        self.sparse.plan_graph(self._step, bucket)
+
+    def select(
+        self, q: torch.Tensor, weights: torch.Tensor, k_layer: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The cache slots each row attends to ([rows, top_k] int32, best first), from the
+        indexer's queries q [rows, heads, dim] and head weights [rows, heads] over one layer's
+        indexer keys [blocks, block_size, dim] (this step's already written); None in a dense
+        step."""
+        step = self._step
+        if step is None:
+            return None
+        visible = step.positions + 1
+        rows = q.shape[0]
+        chunk = max(1, _SCORE_ENTRIES // step.columns)
+        parts = []
+        for start in range(0, rows, chunk):
+            part = slice(start, min(start + chunk, rows))
+            scores = self.scores(
+                q[part], weights[part], k_layer, step.block_tables, step.seq_of_row[part],
+                visible[part], step.columns, self.indexer.scale,
+            )  # fmt: skip
+            parts.append(sparse_attention.top_k_slots(
+                scores, step.top_k, step.block_tables, step.seq_of_row[part], step.block_size
+            ))  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def run(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv_layer: torch.Tensor,
+        kpe_layer: torch.Tensor,
+        kv_b: torch.Tensor,
+        selection: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q_nope [rows, heads, nope], q_pe [rows, heads, rope] (roped), one layer's caches
+        (this step's latents written), its up-projection kv_b [heads, nope + value, latent] and
+        the selection that layer attends over (`select`'s) → out [rows, heads, value]."""
+        if self._step is None:
+            return self.dense.run(q_nope, q_pe, ckv_layer, kpe_layer, kv_b)
+        if selection is None:
+            raise ValueError("a sparse step's attention needs the indexer's selection")
+        nope = self.dense.shape.nope_dim
+        latent = self.sparse.run(
+            absorb_query(q_nope, kv_b[:, :nope]), q_pe, ckv_layer, kpe_layer, selection
+        )
+        return project_values(latent, kv_b[:, nope:])
+
+
+def make_sparse_latent_attention(
+    shape: LatentShape,
+    indexer: IndexerShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    runtime: RuntimeConfig,
+) -> SparseLatentAttention:
+    """FlashInfer and the Triton scores on CUDA for the latent sizes FlashInfer covers, the
+    torch references otherwise."""
+    dense = make_latent_attention(shape, dtype, device, runtime)
+    if device.type == "cuda" and shape.flashinfer_supported:
+        from pegainfer.core.kernels.indexer import indexer_scores
+
+        workspace = dense.absorbed.workspace
+        rows = max(runtime.max_num_batched_tokens, max(runtime.graph_buckets, default=0))
+        top_k = min(indexer.top_k, runtime.max_model_len)
+        sparse: SparseLatentBackend = FlashInferSparseLatent(
+            shape, dtype, device, workspace, rows, runtime.graph_buckets, top_k
+        )
+        scores: Scores = indexer_scores
+    else:
+        sparse, scores = TorchSparseLatent(shape), sparse_attention.indexer_scores
+    return SparseLatentAttention(indexer, dense, sparse, scores, runtime, device)
