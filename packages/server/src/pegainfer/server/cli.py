@@ -1,10 +1,11 @@
 """`pegainfer-server`: serve one model over the OpenAI API.
 
-HTTP comes up at once, answering 503 on /health and the API while the model loads; it turns
-ready only when the engine can serve. The engine runs in a process of its own
-(`pegainfer.core.engine.process`), so HTTP, SSE framing, detokenization and metrics never take
-the GIL from its step loop. If loading fails, the process exits non-zero with the reason; if
-the engine process dies later, requests in flight fail and /health turns 503.
+The arguments are parsed and the port bound before torch or any plugin is imported, so `--help`
+and a busy port answer at once. HTTP then comes up, answering 503 on /health and the API while
+the model loads; it turns ready only when the engine can serve. The engine runs in a process of
+its own (`pegainfer.core.engine.process`), so HTTP, SSE framing, detokenization and metrics
+never take the GIL from its step loop. If loading fails, the process exits non-zero with the
+reason; if the engine process dies later, requests in flight fail and /health turns 503.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.errors import PegainferError
-from pegainfer.server import parsers
 
 if TYPE_CHECKING:
     from pegainfer.core.engine.core import EngineConfig
@@ -136,19 +137,48 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         engine_args = EngineArgs(**options).validate()
-        parsers.check_names(parsers.registry(), _requested_parsers(server))
     except PegainferError as exc:
         print(f"pegainfer-server: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(engine_args, server))
+    try:
+        listener = listen(server["host"], server["port"])
+    except OSError as exc:
+        print(f"pegainfer-server: cannot listen on {server['host']}:{server['port']}: "
+              f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
+        return 1
+    with listener:
+        # Plugins (and torch with them) load only now: the answer parsers come from them.
+        from pegainfer.server import parsers
+
+        try:
+            parsers.check_names(parsers.registry(), _requested_parsers(server))
+        except PegainferError as exc:
+            print(f"pegainfer-server: {exc}", file=sys.stderr)
+            return 2
+        return asyncio.run(serve(engine_args, server, listener))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening: hypercorn sets the backlog), made
+    before anything slow so that a busy port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _requested_parsers(server: dict[str, Any]) -> dict[str, str | None]:
     return {"reasoning": server["reasoning_parser"], "tool_call": server["tool_call_parser"]}
 
 
-async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
-    """Serve HTTP at once and the model once the engine process has loaded it.
+async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socket.socket) -> int:
+    """Serve HTTP at once on `listener` and the model once the engine process has loaded it.
 
     SIGINT and SIGTERM stop HTTP (open streams get a few seconds), then the engine process
     (a bounded wait, then it is terminated); while the model loads, they end the load.
@@ -159,6 +189,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
     from pegainfer.core.engine.frontend import Frontend
     from pegainfer.core.engine.metrics import Metrics
     from pegainfer.core.engine.process import EngineProcess
+    from pegainfer.server import parsers
     from pegainfer.server.app import ServerState, build_app
     from pegainfer.server.engine_client import AsyncEngineClient
 
@@ -169,7 +200,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any]) -> int:
         max_body_bytes=server["max_request_bytes"],
     )
     config = Config()
-    config.bind = [f"{server['host']}:{server['port']}"]
+    config.bind = [f"fd://{listener.fileno()}"]
     config.backlog = server["backlog"]
     config.accesslog = None
     config.graceful_timeout = _GRACEFUL_S
