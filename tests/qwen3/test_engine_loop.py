@@ -9,6 +9,7 @@ import pytest
 from pegainfer.core.engine.loop import EngineLoop, decode_outputs
 from pegainfer.core.engine.messages import AbortRequest, EngineRequest
 from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.text.tokenizer import Tokenizer
 from tests.engine_harness import generate, greedy, make_engine
 
 
@@ -87,7 +88,10 @@ def test_a_failing_step_ends_every_request_in_flight(hf_checkpoints):
 
     async def scenario(tmp_tokenizer_dir):
         client = AsyncEngineClient(
-            EngineLoop(engine), Frontend(tmp_tokenizer_dir), Metrics("m"), 100
+            EngineLoop(engine),
+            Frontend(tmp_tokenizer_dir, Tokenizer.from_dir(tmp_tokenizer_dir)),
+            Metrics("m"),
+            100,
         )
         reservation = client.reserve(2)
 

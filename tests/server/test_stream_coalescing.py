@@ -22,6 +22,7 @@ from pegainfer.core.engine.messages import (
 )
 from pegainfer.core.engine.metrics import Metrics
 from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.text.tokenizer import Tokenizer
 from pegainfer.server.engine_client import AsyncEngineClient, EngineFailedError
 
 TEXT = "Hello world, here is some text STOP and more after it"
@@ -53,7 +54,7 @@ class ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def frontend(tiny_model) -> Frontend:
-    return Frontend(tiny_model)
+    return Frontend(tiny_model, Tokenizer.from_dir(tiny_model))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
+from pegainfer.core.text.tokenizer import Tokenizer
 from tests.server.helpers import assert_error, assert_serving, sse_payloads
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "warm"],
@@ -51,7 +52,7 @@ def test_chat_json_object(client, server, tiny_model):
         response_format={"type": "json_object"}, max_tokens=40, seed=1, n=4,
     )  # fmt: skip
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    grammars = Grammars(tiny_model, vocab)
+    grammars = Grammars(lambda: Tokenizer.from_dir(tiny_model), vocab)
     for choice in reply.choices:
         text = choice.message.content
         matcher = grammars.matcher(StructuredOutput.json_schema({"type": "object"}), [0])

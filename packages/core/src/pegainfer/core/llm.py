@@ -39,7 +39,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
-        self.frontend = Frontend(self.engine.config.model_dir, self.engine.config.tokenizer_dir)
+        self.frontend = Frontend.for_engine(self.engine.config)
         self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
 

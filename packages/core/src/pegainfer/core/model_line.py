@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pegainfer.core.distributed.parallel import ParallelGroup
+from pegainfer.core.text.tokenizer import TOKENIZER_FILE, Tokenizer
 
 if TYPE_CHECKING:
     from pegainfer.core.attention.latent import MultiHeadLatentAttention
@@ -163,6 +164,8 @@ class ModelLine(ABC):
     #: the server uses them unless told otherwise.
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    #: The file that makes a directory this line's tokenizer (`--tokenizer` is checked for it).
+    tokenizer_file: str = TOKENIZER_FILE
 
     @abstractmethod
     def probe(self, config: dict[str, Any]) -> Probe:
@@ -171,6 +174,13 @@ class ModelLine(ABC):
     @abstractmethod
     def build_model(self, ctx: ModelContext) -> Model:
         """Build the model on `ctx.device` and load its weights from `ctx.model_dir`."""
+
+    def load_tokenizer(self, tokenizer_dir: Path) -> Tokenizer:
+        """The tokenizer and chat templates of a checkpoint directory (the model's, or
+        `--tokenizer`'s). Core's reads `tokenizer.json`; a line whose checkpoints ship another
+        format (Kimi-K2's `tiktoken.model`) builds the same `Tokenizer` from it. Called in every
+        process that tokenizes: the server's and, for grammars, the engine's."""
+        return Tokenizer.from_dir(tokenizer_dir)
 
     def scheduler_class(self) -> type[Scheduler]:
         """The scheduler this family runs under; core's default suits dense attention."""

@@ -129,6 +129,15 @@ def model_lines(pm: pluggy.PluginManager | None = None) -> list[ModelLine]:
     return lines
 
 
+def find_model_line(name: str, lines: list[ModelLine] | None = None) -> ModelLine:
+    """The line called `name` among `lines` (default: the installed ones): how a process that
+    did not load the model (the server's) reaches the line the engine detected."""
+    for line in model_lines() if lines is None else lines:
+        if line.name == name:
+            return line
+    raise ModelLineError(f"no model line {name!r} is installed")
+
+
 def answer_parsers(pm: pluggy.PluginManager, kind: str) -> dict[str, Any]:
     """Every parser of `kind` ("reasoning" or "tool_call") the registered plugins contribute."""
     hook = getattr(pm.hook, f"pegainfer_{kind}_parsers")

@@ -217,9 +217,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
     try:
         try:
             engine_config = await _load(engine, stop)
-            frontend = await asyncio.to_thread(
-                Frontend, engine_config.model_dir, engine_config.tokenizer_dir
-            )
+            frontend = await asyncio.to_thread(Frontend.for_engine, engine_config)
             line_defaults = {
                 "reasoning": engine_config.reasoning_parser,
                 "tool_call": engine_config.tool_call_parser,

@@ -52,7 +52,7 @@ class AsyncEngineClient:
         self.limits = RequestLimits(
             self.config.vocab_size,
             self.config.max_model_len,
-            Grammars(self.config.tokenizer_dir, self.config.vocab_size),
+            Grammars(lambda: frontend.tokenizer, self.config.vocab_size),
         )
         self.frontend = frontend
         self.metrics = metrics

@@ -10,6 +10,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -170,11 +171,11 @@ class EngineCore:
     def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
         args.validate()
         model_dir = resolve_model_dir(args.model, args.revision)
-        tokenizer_dir = model_dir
-        if args.tokenizer is not None:
-            tokenizer_dir = resolve_model_dir(args.tokenizer, args.revision, "tokenizer.json")
         model_config = read_config(model_dir)
         line = detect_model_line(model_config, model_lines() if lines is None else lines)
+        tokenizer_dir = model_dir
+        if args.tokenizer is not None:
+            tokenizer_dir = resolve_model_dir(args.tokenizer, args.revision, line.tokenizer_file)
         ignored = sorted(line.unsupported_args & args.explicit_fields())
         if ignored:
             raise ConfigError(
@@ -337,7 +338,8 @@ class EngineCore:
         self.async_scheduling = args.async_scheduling
         self._in_flight: _Launched | None = None
         self._step_tokens: list[int] = []  # per launched step, until the next stats()
-        self.grammars = Grammars(tokenizer_dir, self.config.vocab_size)
+        load_tokenizer = partial(line.load_tokenizer, tokenizer_dir)
+        self.grammars = Grammars(load_tokenizer, self.config.vocab_size)
 
     @staticmethod
     def _host_tier(

@@ -13,15 +13,20 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.engine.messages import EngineRequest, RequestOutput, TokenLogprob
 from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.loading.generation_config import GenerationDefaults
+from pegainfer.core.plugins import find_model_line
 from pegainfer.core.sampling.sampling_params import SamplingParams
 from pegainfer.core.sampling.structured_output import Grammars
 from pegainfer.core.text.detokenizer import IncrementalDetokenizer
 from pegainfer.core.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pegainfer.core.engine.core import EngineConfig
+    from pegainfer.core.model_line import ModelLine
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +166,16 @@ class RequestStream:
 class Frontend:
     """Tokenizer, chat template and generation defaults of one served model."""
 
-    def __init__(self, model_dir: Path, tokenizer_dir: Path | None = None) -> None:
-        self.tokenizer = Tokenizer.from_dir(tokenizer_dir or model_dir)
-        self.defaults = GenerationDefaults.from_dir(model_dir, self.tokenizer.eos_token_id)
+    def __init__(self, model_dir: Path, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.defaults = GenerationDefaults.from_dir(model_dir, tokenizer.eos_token_id)
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, lines: list[ModelLine] | None = None) -> Frontend:
+        """The frontend of the model an engine serves, its tokenizer loaded by the engine's
+        model line (found among `lines`, default the installed ones)."""
+        line = find_model_line(config.line, lines)
+        return cls(config.model_dir, line.load_tokenizer(config.tokenizer_dir))
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return self.defaults.sampling_params(**overrides)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import cache, cached_property, lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -25,6 +25,8 @@ from pegainfer.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import llguidance
+
+    from pegainfer.core.text.tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "regex", "grammar", "choice"]
 
@@ -97,8 +99,9 @@ class Grammars:
     asked for again by a later request, costs the engine's step loop nothing. Safe to call
     from several threads; llguidance compiles outside the GIL."""
 
-    def __init__(self, tokenizer_dir: Path, vocab_size: int) -> None:
-        self.tokenizer_dir = tokenizer_dir
+    def __init__(self, load_tokenizer: Callable[[], Tokenizer], vocab_size: int) -> None:
+        # Called once, on the first grammar: a process that serves none never loads it.
+        self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._tokenizers: dict[tuple[int, ...], llguidance.LLTokenizer] = {}
         self._compiled: OrderedDict[tuple[str, str, tuple[int, ...]], llguidance.LLMatcher] = (
@@ -108,7 +111,7 @@ class Grammars:
 
     @cached_property
     def _tokenizer_json(self) -> str:
-        return (self.tokenizer_dir / "tokenizer.json").read_text()
+        return self._load_tokenizer().to_json()
 
     def tokenizer(self, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
         import llguidance

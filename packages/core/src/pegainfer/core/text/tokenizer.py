@@ -131,6 +131,11 @@ class Tokenizer:
         """Text for `token_ids`; invalid UTF-8 byte sequences decode to U+FFFD."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer in `tokenizer.json`'s format (what llguidance reads), whatever it
+        was loaded from."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
