@@ -17,7 +17,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from pegainfer.models.deepseek import moe_kernels
+from pegainfer.core.moe import kernels as moe_kernels
 
 CONFIGS = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))
 

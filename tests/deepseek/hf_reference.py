@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from pegainfer.core.latent_moe.model import LatentMoEForCausalLM
 from pegainfer.models.deepseek.line import DeepseekLine
-from pegainfer.models.deepseek.model import DeepseekV2ForCausalLM
 from tests.paged_runner import load_model
 
 VOCAB = 300
@@ -43,9 +43,9 @@ def write_hf_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def load_ours(path: Path, block_size: int = 4) -> DeepseekV2ForCausalLM:
+def load_ours(path: Path, block_size: int = 4) -> LatentMoEForCausalLM:
     model = load_model(DeepseekLine(), path, block_size)
-    assert isinstance(model, DeepseekV2ForCausalLM)
+    assert isinstance(model, LatentMoEForCausalLM)
     return model
 
 

@@ -53,10 +53,24 @@ NameMap = Callable[[str], WeightTarget | list[WeightTarget] | None]
 M = TypeVar("M", bound=torch.nn.Module)
 
 
-def empty_param(*shape: int) -> torch.nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype | None = None) -> torch.nn.Parameter:
     """A frozen parameter to be filled from a checkpoint (models are built on the meta device,
-    so this allocates nothing until `allocate_parameters`)."""
-    return torch.nn.Parameter(torch.empty(*shape), requires_grad=False)
+    so this allocates nothing until `allocate_parameters`). With `dtype` it keeps that dtype
+    whatever the model's (a router's float32 correction bias: `build_and_load`)."""
+    param = torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.kept_dtype = dtype
+    return param
+
+
+def _restore_kept_dtypes(module: torch.nn.Module) -> None:
+    """Undo a whole-model `.to(dtype)` for the parameters made with a `dtype` of their own."""
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            kept = getattr(param, "kept_dtype", None)
+            if kept is not None and param.dtype != kept:
+                restored = torch.nn.Parameter(param.to(kept), requires_grad=False)
+                restored.kept_dtype = kept
+                sub._parameters[name] = restored
 
 
 def allocate_parameters(module: torch.nn.Module, device: torch.device) -> None:
@@ -165,10 +179,12 @@ def _check_complete(
 
 def build_and_load(make: Callable[[], M], ctx: ModelContext) -> M:
     """A line's model: built by `make` on the meta device in `ctx.dtype` (no memory, no random
-    init), given storage on `ctx.device`, then filled from the checkpoint through the model's
+    init; parameters made with a dtype of their own keep it), given storage on `ctx.device`,
+    then filled from the checkpoint through the model's
     `checkpoint_name_map`."""
     with torch.device("meta"):
         model = make().to(ctx.dtype)
+    _restore_kept_dtypes(model)
     allocate_parameters(model, ctx.device)
     load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map)
     return model

@@ -1,13 +1,23 @@
-"""The DeepSeek line: claims `model_type: deepseek_v2` checkpoints (DeepSeek-V2, V2-Lite)."""
+"""The DeepSeek line: claims `model_type: deepseek_v2` checkpoints (DeepSeek-V2, V2-Lite), built
+on core's latent-attention MoE decoder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from pegainfer.core.errors import ConfigError
+from pegainfer.core.latent_moe.config import LatentMoEConfig
 from pegainfer.core.loading.weights import build_and_load
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
-from pegainfer.models.deepseek.config import DeepseekConfig
+
+
+def deepseek_v2_config(config: dict[str, Any]) -> LatentMoEConfig:
+    """DeepSeek-V2's config: softmax routing (greedy or group-limited) only."""
+    cfg = LatentMoEConfig.from_dict(config)
+    if cfg.routing.scoring != "softmax":
+        raise ConfigError("DeepSeek-V2 routes by softmax scores (scoring_func 'softmax')")
+    return cfg
 
 
 class DeepseekLine(ModelLine):
@@ -22,13 +32,11 @@ class DeepseekLine(ModelLine):
         return Probe.reject(f"model_type is {model_type!r}, not 'deepseek_v2'")
 
     def build_model(self, ctx: ModelContext) -> Model:
-        from pegainfer.models.deepseek.model import DeepseekV2ForCausalLM
+        from pegainfer.core.latent_moe.model import LatentMoEForCausalLM
 
-        cfg = DeepseekConfig.from_dict(ctx.config)
+        cfg = deepseek_v2_config(ctx.config)
         return build_and_load(
-            lambda: DeepseekV2ForCausalLM(
-                cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel
-            ),
+            lambda: LatentMoEForCausalLM(cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel),
             ctx,
         )
 

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from pegainfer.core.latent_moe.random_weights import random_weights
 from pegainfer.core.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.core.tiny import save_sharded
-from pegainfer.models.deepseek.config import DeepseekConfig
+from pegainfer.models.deepseek.line import deepseek_v2_config
 
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
 CHAT_TEMPLATE = (
@@ -71,55 +72,6 @@ def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
     }
 
 
-def random_weights(
-    cfg: DeepseekConfig,
-    seed: int,
-    std: float = 0.1,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> dict[str, torch.Tensor]:
-    """Hugging Face-named tensors, experts one by one; norms away from 1, a spread router.
-    Each is drawn on `device` and kept in `dtype` (at V2-Lite's 15.7B parameters, float32
-    copies of every tensor would not fit beside the result)."""
-    g = torch.Generator(device).manual_seed(seed)
-
-    def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device=device) * scale + mean).to(dtype)
-
-    def mlp(prefix: str, inter: int) -> dict[str, torch.Tensor]:
-        return {prefix + "gate_proj.weight": normal(inter, h), prefix + "up_proj.weight":
-                normal(inter, h), prefix + "down_proj.weight": normal(h, inter)}  # fmt: skip
-
-    h, heads = cfg.hidden_size, cfg.num_heads
-    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, h, scale=0.3)}
-    for layer in range(cfg.num_layers):
-        p = f"model.layers.{layer}."
-        tensors |= {
-            p + "input_layernorm.weight": normal(h, mean=1.0),
-            p + "post_attention_layernorm.weight": normal(h, mean=1.0),
-            p + "self_attn.q_proj.weight": normal(heads * cfg.qk_head_dim, h),
-            p + "self_attn.kv_a_proj_with_mqa.weight": normal(
-                cfg.kv_lora_rank + cfg.qk_rope_head_dim, h
-            ),
-            p + "self_attn.kv_a_layernorm.weight": normal(cfg.kv_lora_rank, mean=1.0),
-            p + "self_attn.kv_b_proj.weight": normal(
-                heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
-            ),
-            p + "self_attn.o_proj.weight": normal(h, heads * cfg.v_head_dim),
-        }
-        if cfg.is_moe(layer):
-            tensors[p + "mlp.gate.weight"] = normal(cfg.num_experts, h, scale=1.0)
-            for e in range(cfg.num_experts):
-                tensors |= mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
-            shared = cfg.moe_intermediate_size * cfg.num_shared_experts
-            tensors |= mlp(f"{p}mlp.shared_experts.", shared)
-        else:
-            tensors |= mlp(f"{p}mlp.", cfg.intermediate_size)
-    tensors["model.norm.weight"] = normal(h, mean=1.0)
-    tensors["lm_head.weight"] = normal(cfg.vocab_size, h, scale=0.3)
-    return tensors
-
-
 def write_tiny_deepseek(
     out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu", **overrides: Any
 ) -> None:
@@ -139,6 +91,6 @@ def write_tiny_deepseek(
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64
     config = default_config(vocab_size, bos=bos, eos=eos) | overrides
     dtype = getattr(torch, config["torch_dtype"])
-    tensors = random_weights(DeepseekConfig.from_dict(config), seed, device=device, dtype=dtype)
+    tensors = random_weights(deepseek_v2_config(config), seed, device=device, dtype=dtype)
     save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

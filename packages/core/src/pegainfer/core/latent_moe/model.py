@@ -1,8 +1,9 @@
-"""DeepSeek-V2's forward pass over a paged latent cache: MLA attention, then a dense MLP
-(the first `first_k_dense_replace` layers) or routed plus shared experts.
+"""A latent-attention MoE decoder's forward pass over a paged latent cache (DeepSeek-V2/V3,
+Kimi-K2): MLA attention (`latent_moe.attention`), then a dense MLP (the first
+`first_k_dense_replace` layers) or routed plus shared experts (`core.moe`).
 
-Under tensor parallelism (`distributed.parallel`) each rank holds its share of the attention heads,
-of the dense and shared MLPs' width and of the vocabulary, and its share of every routed
+Under tensor parallelism (`distributed.parallel`) each rank holds its share of the attention
+heads, of the dense and shared MLPs' width and of the vocabulary, and its share of every routed
 expert's width or, with expert parallelism (`ModelContext.expert_parallel`), a range of whole
 routed experts. Either way every rank routes every token, computes its terms, and one
 all-reduce sums routed and shared outputs; the latent cache is whole on every rank.
@@ -15,22 +16,17 @@ others return none).
 
 Each cached token holds its normalised KV latent (the `ckv` arena, `kv_lora_rank` values per
 layer) and its roped shared key (`kpe`, `qk_rope_head_dim`), the layout FlashInfer's MLA
-kernels read. Attention is core's (`core.latent_attention`, given `kv_b_proj` per head): long
+kernels read. Attention is core's (`core.attention.latent`, given `kv_b_proj` per head): long
 prefill chunks in the expanded form (cached latents up-projected to keys and values, FlashInfer's
 ragged prefill on CUDA), decodes and short chunks absorbed (the key up-projection folded into the
 query, the value one applied to the latent output, FlashInfer's MLA on CUDA); torch references
-elsewhere. Routed experts are stacked (`RoutedExperts`): a fused Triton MoE on CUDA
-(`moe_kernels`), expert by expert on the CPU; MLA's attention input is one Triton kernel on
-CUDA (`latent_kernels`).
+elsewhere. Routed experts are stacked (`moe.layer.RoutedExperts`): a fused Triton MoE on CUDA,
+expert by expert on the CPU; MLA's attention input is one Triton kernel on CUDA.
 """
 
 from __future__ import annotations
 
-from functools import cache
-from types import SimpleNamespace
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.core.attention.latent import (
@@ -38,188 +34,22 @@ from pegainfer.core.attention.latent import (
     MultiHeadLatentAttention,
     make_latent_attention,
 )
-from pegainfer.core.distributed import expert_parallel, parallel
+from pegainfer.core.distributed import parallel
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
+from pegainfer.core.latent_moe.attention import LatentAttention
+from pegainfer.core.latent_moe.config import LatentMoEConfig
 from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.loading.weights import WeightTarget, empty_param
 from pegainfer.core.model_line import Model, RuntimeConfig
-from pegainfer.core.ops import rms_norm
+from pegainfer.core.moe.layer import DenseMLP, MoE
+from pegainfer.core.ops.interleaved_rope import InterleavedRope
 from pegainfer.core.runner.forward_batch import ForwardBatch
-from pegainfer.models.deepseek import ops
-from pegainfer.models.deepseek.config import DeepseekConfig
-
-# transformers builds kv_a_layernorm (and q_a_layernorm) with its RMSNorm's default eps.
-_LATENT_NORM_EPS = 1e-6
 
 
-class LatentAttention(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, group: parallel.ParallelGroup) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.group = group
-        heads, h = cfg.num_heads, cfg.hidden_size
-        # The two projections of the layer input, one GEMM: q_proj's rows (q_a_proj's with
-        # a q LoRA), then kv_a_proj_with_mqa's.
-        self.q_rows = heads * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
-        self.q_kv_a_proj = empty_param(self.q_rows + cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
-        if cfg.q_lora_rank is not None:
-            self.q_a_layernorm = empty_param(cfg.q_lora_rank)
-            self.q_b_proj = empty_param(heads * cfg.qk_head_dim, cfg.q_lora_rank)
-        self.kv_a_layernorm = empty_param(cfg.kv_lora_rank)
-        self.kv_b_proj = empty_param(
-            heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
-        )
-        self.o_proj = empty_param(h, heads * cfg.v_head_dim)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        ckv: torch.Tensor,
-        kpe: torch.Tensor,
-        rope: ops.InterleavedRope,
-        attn: MultiHeadLatentAttention,
-    ) -> torch.Tensor:
-        cfg, tokens = self.cfg, x.shape[0]
-        q, kv_a = F.linear(x, self.q_kv_a_proj).split(
-            [self.q_rows, self.q_kv_a_proj.shape[0] - self.q_rows], dim=-1
-        )
-        if cfg.q_lora_rank is not None:
-            q_a = rms_norm.rms_norm(q, self.q_a_layernorm, _LATENT_NORM_EPS)
-            q = F.linear(q_a, self.q_b_proj)
-        latent_input = _kernels().latent_input if x.is_cuda else ops.latent_input
-        q_pe = latent_input(
-            q, kv_a, self.kv_a_layernorm, rope.cos, rope.sin, batch.positions,
-            batch.slot_mapping, ckv, kpe, cfg.num_heads, cfg.qk_nope_head_dim, _LATENT_NORM_EPS,
-        )  # fmt: skip
-        q_nope = q.view(tokens, cfg.num_heads, -1)[..., : cfg.qk_nope_head_dim]
-        kv_b = self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
-        out = attn.run(q_nope, q_pe, ckv, kpe, kv_b)
-        return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
-
-
-class Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_up_proj = empty_param(2 * inter, hidden)
-        self.down_proj = empty_param(hidden, inter)
-
-    def forward(self, x: torch.Tensor, elementwise: LayerOps) -> torch.Tensor:
-        h = elementwise.silu_and_mul(F.linear(x, self.gate_up_proj))
-        return F.linear(h, self.down_proj)
-
-
-class RoutedExperts(nn.Module):
-    """This rank's routed experts, `first`.. `first + count - 1`, stacked: `gate_up_proj`
-    holds expert i's fused gate/up rows at [i * 2I, (i + 1) * 2I), `down_proj` its down rows
-    at [i * H, (i + 1) * H) (2-D, so the loader fills each expert's rows like any fused
-    matrix's; `stacked()` gives the [experts, ...] views the MoE ops read). `width`: the
-    [start, end) of each expert's intermediate features held here (None: all of them)."""
-
+class LatentMoELayer(nn.Module):
     def __init__(
-        self, hidden: int, inter: int, count: int, first: int,
-        width: tuple[int, int] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        self.hidden, self.inter, self.count, self.first = hidden, inter, count, first
-        self.width = width
-        self.gate_up_proj = empty_param(count * 2 * inter, hidden)
-        self.down_proj = empty_param(count * hidden, inter)
-
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate_up [experts, 2I, H] and down [experts, H, I]."""
-        return (self.gate_up_proj.view(self.count, 2 * self.inter, self.hidden),
-                self.down_proj.view(self.count, self.hidden, self.inter))  # fmt: skip
-
-
-class Experts(nn.Module):
-    """Routed experts beside always-on shared ones. Under tensor parallelism a rank holds its
-    share of every routed expert's width (the default: every rank reads a share of each
-    chosen expert) or, with `expert_parallel`, a range of whole experts; and its share of the
-    shared ones' width. Either way every rank routes every token and one all-reduce sums.
-    With data-parallel attention (`data_parallel` of more than one rank) a rank holds a range
-    of whole experts and the whole shared ones, and routes only its own tokens, which the
-    all-to-all takes to their experts' ranks."""
-
-    def __init__(
-        self, cfg: DeepseekConfig, group: parallel.ParallelGroup, expert_parallel: bool,
-        data_parallel: parallel.ParallelGroup,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        self.cfg = cfg
-        self.group = group
-        self.data_parallel = data_parallel
-        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = empty_param(cfg.num_experts, h)
-        if data_parallel.world_size > 1:
-            local = cfg.num_experts // data_parallel.world_size
-            self.experts = RoutedExperts(h, inter, local, data_parallel.rank * local)
-        elif expert_parallel:
-            local = cfg.num_experts // group.world_size
-            self.experts = RoutedExperts(h, inter, local, group.rank * local)
-        else:
-            width = group.split(inter)
-            self.experts = RoutedExperts(h, width[1] - width[0], cfg.num_experts, 0, width)
-        self.shared_experts = Expert(h, inter * cfg.num_shared_experts // group.world_size)
-
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        if x.is_cuda and cfg.topk_method == "greedy":
-            return _kernels().route(
-                x, self.gate, cfg.num_experts_per_tok, cfg.routed_scaling_factor
-            )
-        return ops.route(
-            x, self.gate, cfg.num_experts_per_tok, cfg.topk_method, cfg.n_group,
-            cfg.topk_group, cfg.routed_scaling_factor,
-        )  # fmt: skip
-
-    def forward(self, x: torch.Tensor, elementwise: LayerOps, capacity: int) -> torch.Tensor:
-        """`capacity`: the most tokens any data-parallel rank has this step."""
-        shared = self.shared_experts(x, elementwise)
-        weights, chosen = self._route(x)
-        if self.data_parallel.world_size > 1:
-            routed = expert_parallel.exchange(x, weights, chosen, self.experts.count, capacity,
-                                              self.data_parallel, self._routed)  # fmt: skip
-            return routed + shared
-        return self.group.all_reduce(self._routed(x, weights, chosen, shared))
-
-    def _routed(
-        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-        shared: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """The terms of the experts held here (plus `shared`)."""
-        experts = (*self.experts.stacked(), self.experts.first)
-        if x.is_cuda:
-            return _kernels().fused_moe(x, weights, chosen, *experts, shared)
-        routed = ops.moe(x, weights, chosen, *experts)
-        return routed if shared is None else routed + shared
-
-
-@cache
-def _kernels() -> SimpleNamespace:
-    """The Triton kernels (imported on first use: the CPU path needs no Triton)."""
-    from pegainfer.models.deepseek.latent_kernels import latent_input
-    from pegainfer.models.deepseek.moe_kernels import fused_moe, route
-
-    return SimpleNamespace(latent_input=latent_input, fused_moe=fused_moe, route=route)
-
-
-class DenseMLP(Expert):
-    """The first layers' SwiGLU MLP, its width split over the ranks."""
-
-    def __init__(self, hidden: int, inter: int, group: parallel.ParallelGroup) -> None:
-        super().__init__(hidden, inter)
-        self.group = group
-
-    def forward(self, x: torch.Tensor, elementwise: LayerOps) -> torch.Tensor:
-        h = elementwise.silu_and_mul(F.linear(x, self.gate_up_proj))
-        return parallel.row_parallel_linear(h, self.down_proj, self.group)
-
-
-class DeepseekLayer(nn.Module):
-    def __init__(
-        self, cfg: DeepseekConfig, index: int, group: parallel.ParallelGroup,
+        self, cfg: LatentMoEConfig, index: int, group: parallel.ParallelGroup,
         expert_parallel: bool, data_parallel: parallel.ParallelGroup,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -227,14 +57,17 @@ class DeepseekLayer(nn.Module):
         self.post_attention_layernorm = empty_param(cfg.hidden_size)
         self.self_attn = LatentAttention(cfg, group)
         if cfg.is_moe(index):
-            self.mlp: nn.Module = Experts(cfg, group, expert_parallel, data_parallel)
+            self.mlp: nn.Module = MoE(
+                cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_shared_experts, cfg.routing,
+                group, expert_parallel, data_parallel,
+            )  # fmt: skip
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, group)
 
 
-class DeepseekV2ForCausalLM(Model):
+class LatentMoEForCausalLM(Model):
     def __init__(
-        self, cfg: DeepseekConfig, group: parallel.ParallelGroup | None = None,
+        self, cfg: LatentMoEConfig, group: parallel.ParallelGroup | None = None,
         expert_parallel: bool = False, data_parallel: parallel.ParallelGroup | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -255,11 +88,11 @@ class DeepseekV2ForCausalLM(Model):
         )  # fmt: skip
         vocab_rows = cfg.vocab_size // group.world_size
         self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, group, expert_parallel, data_parallel)
+        self.layers = nn.ModuleList(LatentMoELayer(cfg, i, group, expert_parallel, data_parallel)
                                     for i in range(cfg.num_layers))  # fmt: skip
         self.norm = empty_param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
-        self.rope: ops.InterleavedRope | None = None
+        self.rope: InterleavedRope | None = None
         self.latent_shape = LatentShape(
             cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
             cfg.v_head_dim, cfg.softmax_scale,
@@ -291,7 +124,7 @@ class DeepseekV2ForCausalLM(Model):
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
-        self.rope = ops.InterleavedRope(self.cfg.rope, runtime.max_model_len, device)
+        self.rope = InterleavedRope(self.cfg.rope, runtime.max_model_len, device)
         self.attn = make_latent_attention(self.latent_shape, dtype, device, runtime)
         self.ops = layer_ops(device)
 
@@ -314,6 +147,8 @@ class DeepseekV2ForCausalLM(Model):
         vocab = mine(self.embed_tokens.shape[0])
         if name == "lm_head.weight":
             return None if cfg.tie_word_embeddings else WeightTarget("lm_head", rows=vocab)
+        if name.endswith(".mlp.gate.e_score_correction_bias"):  # noaux_tc's router bias
+            return WeightTarget(name.removeprefix("model.").replace(".gate.", ".", 1))
         if not name.startswith("model.") or not name.endswith(".weight"):
             return WeightTarget(name)  # unknown: the loader reports it
         path = name.removeprefix("model.").removesuffix(".weight")
@@ -383,7 +218,7 @@ class DeepseekV2ForCausalLM(Model):
             x, residual = elementwise.add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, eps
             )
-            if isinstance(layer.mlp, Experts):
+            if isinstance(layer.mlp, MoE):
                 hidden = layer.mlp(x, elementwise, capacity)
             else:
                 hidden = layer.mlp(x, elementwise)

@@ -1,9 +1,11 @@
-"""The fused MoE on the GPU (reference: `ops.route`, `ops.moe`): routing, sorted
-token-to-expert dispatch, two grouped GEMMs and the combine, in Triton.
+"""The fused MoE on the GPU (references: `moe.routing.route`, `moe.experts.moe`): routing,
+sorted token-to-expert dispatch, two grouped GEMMs and the combine, in Triton.
 
-0. Routing (greedy top-k): per block of tokens, the router logits (bf16 products are exact
-   in float32, accumulated in float32 as the reference's float32 linear), softmax over the
-   experts, the k best by iterated argmax, times the scaling factor.
+0. Routing (one group of experts): per block of tokens, the router logits (bf16 products are
+   exact in float32, accumulated in float32 as the reference's float32 linear), then softmax
+   scores (greedy) or sigmoid scores plus the correction bias to choose by (noaux_tc), the k
+   best by iterated argmax, their scores (renormalised for noaux_tc's `norm_topk_prob`) times
+   the scaling factor.
 1. Dispatch: the (token, choice) pairs routed to this rank's experts are sorted by expert and
    each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M rows of the sorted
    list belong to one expert (`block_expert`); rows past an expert's pairs hold a sentinel.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pegainfer.core.moe.routing import Routing
 
 
 @triton.jit
@@ -103,9 +107,10 @@ def _down_kernel(
 
 @triton.jit
 def _route_kernel(
-    x, gate, weights, experts, tokens, hidden_size, num_experts, scaling, stride_x,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    x, gate, bias, weights, experts, tokens, hidden_size, num_experts, scaling, stride_x,
+    TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < tokens
@@ -120,23 +125,44 @@ def _route_kernel(
         b = tl.load(gate + cols[None, :] * hidden_size + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         logits += _dot(a, b, IEEE)
-    logits = tl.where(col_ok[None, :], logits, -float("inf"))
-    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
+    if SIGMOID:  # noaux_tc: choose by the corrected score, weigh by the plain one
+        scores = tl.sigmoid(logits)
+        correction = tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+        choice = tl.where(col_ok[None, :], scores + correction[None, :], -float("inf"))
+    else:
+        logits = tl.where(col_ok[None, :], logits, -float("inf"))
+        scores = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = scores / tl.sum(scores, axis=1)[:, None]
+        choice = tl.where(col_ok[None, :], scores, -float("inf"))
+    slots = tl.arange(0, TOP_K_TILE)
+    chosen_w = tl.zeros((BLOCK_T, TOP_K_TILE), dtype=tl.float32)
+    chosen_e = tl.zeros((BLOCK_T, TOP_K_TILE), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(p, axis=1)
-        tl.store(weights + rows * TOP_K + j, tl.max(p, axis=1) * scaling, mask=row_ok)
-        tl.store(experts + rows * TOP_K + j, best.to(tl.int32), mask=row_ok)
-        p = tl.where(cols[None, :] == best[:, None], -1.0, p)
+        best = tl.argmax(choice, axis=1)
+        hit = cols[None, :] == best[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        chosen_w = tl.where(slots[None, :] == j, w[:, None], chosen_w)
+        chosen_e = tl.where(slots[None, :] == j, best[:, None].to(tl.int32), chosen_e)
+        choice = tl.where(hit, -float("inf"), choice)
+    if NORMALIZE:
+        chosen_w = chosen_w / (tl.sum(chosen_w, axis=1)[:, None] + 1e-20)
+    out = rows[:, None] * TOP_K + slots[None, :]
+    keep = row_ok[:, None] & (slots[None, :] < TOP_K)
+    tl.store(weights + out, chosen_w * scaling, mask=keep)
+    tl.store(experts + out, chosen_e, mask=keep)
 
 
 def route(
-    x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float
+    x: torch.Tensor, gate: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy softmax top-k routing (`ops.route` with method "greedy"): weights [T, k]
-    float32 and experts [T, k] int32 (in no particular order within a row)."""
+    """`routing.route` for one group of experts (greedy softmax, or noaux_tc with n_group 1):
+    weights [T, k] float32 and experts [T, k] int32 (in no particular order within a row)."""
+    if routing.n_group != 1 or routing.method == "group_limited_greedy":
+        raise ValueError("the routing kernel routes within one group of experts")
+    if routing.corrected != (correction_bias is not None):
+        raise ValueError(f"{routing.method} routing takes a correction bias iff it is noaux_tc")
     tokens, hidden_size = x.shape
-    num_experts = gate.shape[0]
+    num_experts, top_k = gate.shape[0], routing.top_k
     if x.stride(1) != 1 or not gate.is_contiguous():
         raise ValueError("x rows and the router matrix must be contiguous")
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
@@ -147,9 +173,11 @@ def route(
     # stays at 16k elements.
     block_k = max(32, min(256, 16384 // block_e))
     _route_kernel[(triton.cdiv(tokens, block_t),)](
-        x, gate, weights, experts, tokens, hidden_size, num_experts, scaling, x.stride(0),
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32,
+        x, gate, correction_bias, weights, experts, tokens, hidden_size, num_experts,
+        routing.scaling, x.stride(0),
+        TOP_K=top_k, TOP_K_TILE=max(2, triton.next_power_of_2(top_k)),
+        SIGMOID=routing.corrected, NORMALIZE=routing.normalize, BLOCK_T=block_t,
+        BLOCK_E=block_e, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return weights, experts
 

@@ -1,4 +1,4 @@
-"""MLA's attention input in one kernel (CUDA; reference: `ops.latent_input`).
+"""MLA's attention input in one kernel (CUDA; reference: `core.ops.latent_input`).
 
 Per token, after the q and kv_a projections: the query's rope part rotated (interleaved pairs,
 in float32) into a contiguous [tokens, heads, rope] tensor, the KV latent RMS-normalised with

@@ -1,0 +1,71 @@
+"""Random weights for a latent-attention MoE decoder, named and laid out as the published
+checkpoints are (experts one by one, the router's correction bias in float32): the tiny test
+checkpoints and the benchmarks' real-width ones."""
+
+from __future__ import annotations
+
+import torch
+
+from pegainfer.core.latent_moe.config import LatentMoEConfig
+
+
+def random_weights(
+    cfg: LatentMoEConfig,
+    seed: int,
+    std: float = 0.1,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors, experts one by one; norms away from 1, a spread router and
+    correction bias (transformers initialises them to 1 and 0, which hides bugs). Each is drawn
+    on `device` and kept in `dtype` (at real sizes, float32 copies of every tensor would not
+    fit beside the result)."""
+    g = torch.Generator(device).manual_seed(seed)
+
+    def normal(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device) * scale + mean).to(dtype)
+
+    def mlp(prefix: str, inter: int) -> dict[str, torch.Tensor]:
+        return {prefix + "gate_proj.weight": normal(inter, h), prefix + "up_proj.weight":
+                normal(inter, h), prefix + "down_proj.weight": normal(h, inter)}  # fmt: skip
+
+    h, heads = cfg.hidden_size, cfg.num_heads
+    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, h, scale=0.3)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        attn = p + "self_attn."
+        q_out = heads * cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            tensors[attn + "q_proj.weight"] = normal(q_out, h)
+        else:
+            tensors |= {
+                attn + "q_a_proj.weight": normal(cfg.q_lora_rank, h),
+                attn + "q_a_layernorm.weight": normal(cfg.q_lora_rank, mean=1.0),
+                attn + "q_b_proj.weight": normal(q_out, cfg.q_lora_rank),
+            }
+        tensors |= {
+            p + "input_layernorm.weight": normal(h, mean=1.0),
+            p + "post_attention_layernorm.weight": normal(h, mean=1.0),
+            attn + "kv_a_proj_with_mqa.weight": normal(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+            attn + "kv_a_layernorm.weight": normal(cfg.kv_lora_rank, mean=1.0),
+            attn + "kv_b_proj.weight": normal(
+                heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
+            ),
+            attn + "o_proj.weight": normal(h, heads * cfg.v_head_dim),
+        }
+        if cfg.is_moe(layer):
+            tensors[p + "mlp.gate.weight"] = normal(cfg.num_experts, h, scale=1.0)
+            if cfg.routing.corrected:
+                tensors[p + "mlp.gate.e_score_correction_bias"] = (
+                    torch.randn(cfg.num_experts, generator=g, device=device) * 0.1
+                )
+            for e in range(cfg.num_experts):
+                tensors |= mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
+            shared = cfg.moe_intermediate_size * cfg.num_shared_experts
+            tensors |= mlp(f"{p}mlp.shared_experts.", shared)
+        else:
+            tensors |= mlp(f"{p}mlp.", cfg.intermediate_size)
+    tensors["model.norm.weight"] = normal(h, mean=1.0)
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = normal(cfg.vocab_size, h, scale=0.3)
+    return tensors
