@@ -32,6 +32,8 @@ class LatentMoEConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope: Rope
+    # DeepSeek-V3's multi-token-prediction layers, stored after the decoder's (not run yet).
+    mtp_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -73,4 +75,5 @@ class LatentMoEConfig:
             max_position_embeddings=int(config["max_position_embeddings"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rope=Rope.from_dict(config, rope_dim),
+            mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
         )

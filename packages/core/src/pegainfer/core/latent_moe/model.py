@@ -147,6 +147,11 @@ class LatentMoEForCausalLM(Model):
         vocab = mine(self.embed_tokens.shape[0])
         if name == "lm_head.weight":
             return None if cfg.tie_word_embeddings else WeightTarget("lm_head", rows=vocab)
+        parts = name.split(".")
+        if name.startswith("model.layers.") and int(parts[2]) >= cfg.num_layers:
+            if int(parts[2]) < cfg.num_layers + cfg.mtp_layers:
+                return None  # a multi-token-prediction layer: not run
+            return WeightTarget(name)  # past every layer: the loader reports it
         if name.endswith(".mlp.gate.e_score_correction_bias"):  # noaux_tc's router bias
             return WeightTarget(name.removeprefix("model.").replace(".gate.", ".", 1))
         if not name.startswith("model.") or not name.endswith(".weight"):
