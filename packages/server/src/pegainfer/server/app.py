@@ -130,7 +130,7 @@ def build_app(state: ServerState) -> Starlette:
         body = parse(raw if raw is not None else await read_json(request), kind)
         handler = make_handler(client, body.model or state.model_names[0])
         if body.stream:
-            return _sse(handler.stream(body))
+            return _sse(await handler.stream(body))
         return _json(await _until_disconnect(request, handler.create(body)))
 
     def make_chat(client: AsyncEngineClient, name: str) -> Chat:
@@ -170,35 +170,12 @@ def build_app(state: ServerState) -> Starlette:
     async def tokenize(request: Request) -> Response:
         client = state.ready_client()
         body = await read_body(request, TokenizeRequest)
-        frontend = client.frontend
-        try:
-            if body.messages is not None:
-                tokens = frontend.render_chat(
-                    template_messages(body.messages),
-                    add_generation_prompt=body.add_generation_prompt,
-                    tools=body.tools or None,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                    continue_final_message=body.continue_final_message,
-                )
-            elif body.prompt is not None:
-                tokens = frontend.tokenizer.encode(body.prompt, body.add_special_tokens)
-            else:
-                raise bad_request("give either prompt or messages", "prompt")
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), exc.param) from exc
-        max_len = client.config.max_model_len
-        strs = None
-        if body.return_token_strs:
-            strs = [frontend.tokenizer.id_to_token(t) or "" for t in tokens]
-        return _json(TokenizeResponse(tokens, len(tokens), max_len, strs))
+        return _json(await client.run_frontend(tokenized, client, body))
 
     async def detokenize(request: Request) -> Response:
         client = state.ready_client()
         body = await read_body(request, DetokenizeRequest)
-        vocab = client.config.vocab_size
-        if any(not (0 <= t < vocab) for t in body.tokens):
-            raise bad_request(f"tokens must be in [0, {vocab})", "tokens")
-        return _json(DetokenizeResponse(client.frontend.tokenizer.decode(body.tokens, False)))
+        return _json(await client.run_frontend(detokenized, client, body))
 
     async def health(request: Request) -> Response:
         if state.client is not None and state.client.alive:
@@ -231,6 +208,38 @@ def build_app(state: ServerState) -> Starlette:
     app.add_middleware(_AuthMiddleware, api_key=state.api_key)
     app.add_middleware(_CountRequests, state=state)  # outermost: 401s are counted too
     return app
+
+
+def tokenized(client: AsyncEngineClient, body: TokenizeRequest) -> TokenizeResponse:
+    """`/tokenize`'s answer (on the frontend's threads)."""
+    frontend = client.frontend
+    try:
+        if body.messages is not None:
+            tokens = frontend.render_chat(
+                template_messages(body.messages),
+                add_generation_prompt=body.add_generation_prompt,
+                tools=body.tools or None,
+                chat_template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
+            )
+        elif body.prompt is not None:
+            tokens = frontend.tokenizer.encode(body.prompt, body.add_special_tokens)
+        else:
+            raise bad_request("give either prompt or messages", "prompt")
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    strs = None
+    if body.return_token_strs:
+        strs = [frontend.tokenizer.id_to_token(t) or "" for t in tokens]
+    return TokenizeResponse(tokens, len(tokens), client.config.max_model_len, strs)
+
+
+def detokenized(client: AsyncEngineClient, body: DetokenizeRequest) -> DetokenizeResponse:
+    """`/detokenize`'s answer (on the frontend's threads)."""
+    vocab = client.config.vocab_size
+    if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab):
+        raise bad_request(f"tokens must be in [0, {vocab})", "tokens")
+    return DetokenizeResponse(client.frontend.tokenizer.decode(body.tokens, False))
 
 
 def _sse(stream: Any) -> StreamingResponse:

@@ -14,6 +14,7 @@ from pegainfer.server.logprobs import LogprobsFormatter, chat_count
 from pegainfer.server.openai_serving import (
     choice_params,
     collect,
+    encode_text,
     engine_request,
     now,
     request_id,
@@ -151,7 +152,7 @@ class Chat:
         logprobs = chat_count(body.logprobs, body.top_logprobs)
         params = sampling_params(self.client, body, max_tokens, logprobs, forced and forced[0])
         try:
-            prompt_ids = self.client.frontend.render_chat(
+            text = self.client.frontend.chat_prompt(
                 template_messages(body.messages),
                 add_generation_prompt=body.add_generation_prompt,
                 tools=tools,
@@ -160,7 +161,8 @@ class Chat:
             )
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param or "messages") from exc
-        prompt_ids = truncated(self.client, prompt_ids, body)
+        # The length bound applies to the rendered text: a template may leave content out.
+        prompt_ids = truncated(self.client, encode_text(self.client, text, body, False), body)
         rid = request_id("chatcmpl")
         requests = [
             (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body), None)
@@ -200,7 +202,7 @@ class Chat:
         return None
 
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:
-        rid, requests, answer_parser = self.prepare(body)
+        rid, requests, answer_parser = await self.client.run_frontend(self.prepare, body)
         streams = await collect(self.client, requests, reserve(self.client, len(requests)))
         choices, reasonings = [], []
         for index, stream in enumerate(streams):
@@ -239,8 +241,10 @@ class Chat:
         encode = self.client.frontend.tokenizer.encode
         return sum(len(encode(text, add_special_tokens=False)) for text in reasonings if text)
 
-    def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-        rid, requests, answer_parser = self.prepare(body)
+    async def stream(self, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+        """The SSE stream, once the request is prepared and its slots reserved (a refusal is
+        raised here, before any status line)."""
+        rid, requests, answer_parser = await self.client.run_frontend(self.prepare, body)
         parsers = [answer_parser() for _ in requests]
         reasonings = [""] * len(requests)
         num_calls = [0] * len(requests)

@@ -248,6 +248,8 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
                 stop.set()
         await http
     finally:  # whatever ended serving: the engine process (not a daemon) must not outlive it
+        if state.client is not None:
+            state.client.close()
         engine.shutdown(_ENGINE_STOP_S)
     return exit_code
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 
@@ -15,6 +14,7 @@ from pegainfer.server.logprobs import LogprobsFormatter, completion_count
 from pegainfer.server.openai_serving import (
     choice_params,
     collect,
+    encode_text,
     engine_request,
     now,
     request_id,
@@ -33,11 +33,12 @@ from pegainfer.server.protocol import (
 
 
 def _prompts(
-    client: AsyncEngineClient, prompt: str | list[Any]
+    client: AsyncEngineClient, body: CompletionRequest
 ) -> list[tuple[str | None, list[int]]]:
     """Normalise the four prompt forms to (text, token ids) pairs."""
+    prompt = body.prompt
     if isinstance(prompt, str):
-        return [(prompt, client.frontend.encode_prompt(prompt))]
+        return [(prompt, encode_text(client, prompt, body))]
     ids = _token_ids(prompt)  # one prompt of token ids, else a list of prompts
     if ids is not None:
         return [(None, ids)]
@@ -52,7 +53,7 @@ def _prompts(
                 "or a list of token-id lists",
                 "prompt",
             )
-        pairs.append((item, client.frontend.encode_prompt(item)) if ids is None else (None, ids))
+        pairs.append((item, encode_text(client, item, body)) if ids is None else (None, ids))
     return pairs
 
 
@@ -94,7 +95,7 @@ class Completions:
         self.client.metrics.record_request_params(body.n)
         rid = request_id("cmpl")
         prompts = []
-        for text, ids in _prompts(self.client, body.prompt):
+        for text, ids in _prompts(self.client, body):
             kept = truncated(self.client, ids, body)
             prompts.append((text if kept is ids else None, kept))  # echo decodes what is kept
         # Choice p * n + i is the i-th of the n choices of prompt p.
@@ -106,7 +107,7 @@ class Completions:
         return rid, requests
 
     async def create(self, body: CompletionRequest) -> CompletionResponse:
-        rid, requests = self.prepare(body)
+        rid, requests = await self.client.run_frontend(self.prepare, body)
         reservation = reserve(self.client, len(requests), _multiplier(body))
         streams = await collect(self.client, requests, reservation)
         choices = []
@@ -123,8 +124,10 @@ class Completions:
             choices.append(choice)
         return CompletionResponse(rid, now(), self.model_name, choices, usage(streams, body.n))
 
-    def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
-        rid, requests = self.prepare(body)
+    async def stream(self, body: CompletionRequest) -> AsyncIterator[bytes]:
+        """The SSE stream, once the request is prepared and its slots reserved (a refusal is
+        raised here, before any status line)."""
+        rid, requests = await self.client.run_frontend(self.prepare, body)
         reservation = reserve(self.client, len(requests), _multiplier(body))
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage

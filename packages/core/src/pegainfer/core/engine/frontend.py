@@ -84,13 +84,8 @@ class RequestLimits:
             self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
         elif msg.params.structured is not None:
             msg.params.structured.validate()
+        self.check_prompt_length(len(prompt))
         limit = self.max_model_len
-        if len(prompt) >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt)} tokens, but this model's context is {limit} tokens "
-                "and at least one must be left to generate",
-                "prompt",
-            )
         max_tokens = msg.params.max_tokens or limit - len(prompt)
         if len(prompt) + max_tokens > limit:
             raise InvalidRequestError(
@@ -99,6 +94,17 @@ class RequestLimits:
                 "max_tokens",
             )
         return max_tokens
+
+    def check_prompt_length(self, num_tokens: int, *, at_least: bool = False) -> None:
+        """Refuse a prompt of `num_tokens` tokens (`at_least`: a lower bound on them, known
+        before tokenizing) that leaves no room to generate."""
+        limit = self.max_model_len
+        if num_tokens >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {'at least ' if at_least else ''}{num_tokens} tokens, but this "
+                f"model's context is {limit} tokens and at least one must be left to generate",
+                "prompt",
+            )
 
 
 @dataclass
@@ -192,7 +198,29 @@ class Frontend:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
     ) -> list[int]:
-        """Render a conversation with the model's chat template and tokenize it.
+        """Render a conversation with the model's chat template and tokenize it (the
+        arguments are `chat_prompt`'s)."""
+        text = self.chat_prompt(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
+        )
+        # The template writes any special tokens itself.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
+        """A conversation rendered with the model's chat template: text to encode without
+        special tokens (the template writes its own).
 
         `continue_final_message` leaves the last message open (vLLM's option): the prompt
         ends right after its content, so the model continues it instead of answering it.
@@ -213,8 +241,7 @@ class Frontend:
         )
         if continue_final_message:
             text = _open_final_message(text, messages[-1].get("content"))
-        # The template writes any special tokens itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
 
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
