@@ -13,6 +13,7 @@ LINES = {
     "qwen3": ("pegainfer.models.qwen3", "qwen3"),
     "qwen35": ("pegainfer.models.qwen35", "qwen35"),
     "deepseek": ("pegainfer.models.deepseek", "deepseek"),
+    "kimi_k2": ("pegainfer.models.kimi_k2", "kimi-k2"),
 }
 MISSING = {line for line, (module, _) in LINES.items() if find_spec(module) is None}
 TESTS = Path(__file__).parent

@@ -10,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from pegainfer.core.text.tiktoken_bpe import convert_tiktoken_bpe, read_tiktoken_ranks
-from tests.tokenizer_texts import random_texts
+from pegainfer.core.text.tiktoken_bpe import (
+    byte_level_bpe_ranks,
+    convert_tiktoken_bpe,
+    read_tiktoken_ranks,
+    write_tiktoken_ranks,
+)
+from pegainfer.core.text.tiny_tokenizer import train_tiny_bpe
+from tests.tokenizer_texts import CORPUS, random_texts
 
 tiktoken = pytest.importorskip("tiktoken")
 
@@ -30,7 +36,7 @@ def test_vocabularies_that_bpe_did_not_train(tmp_path):
     pattern = r" ?\S+|\s+"
     specials = {"<|end|>": len(tokens)}
     ours = convert_tiktoken_bpe(
-        ranks_file, pattern=pattern, special_tokens=specials, added_tokens={}
+        read_tiktoken_ranks(ranks_file), pattern=pattern, special_tokens=specials, added_tokens={}
     )
     reference = tiktoken.Encoding(
         "odd", pat_str=pattern, mergeable_ranks=read_tiktoken_ranks(ranks_file),
@@ -43,18 +49,36 @@ def test_vocabularies_that_bpe_did_not_train(tmp_path):
 
 
 def test_bad_inputs_are_refused(tmp_path):
-    ranks_file = _ranks_file(tmp_path / "bytes.tiktoken", [bytes([b]) for b in range(256)])
+    byte_ranks = {bytes([b]): b for b in range(256)}
     with pytest.raises(ValueError, match="next free id is 256"):
         convert_tiktoken_bpe(
-            ranks_file, pattern=r"\S+", special_tokens={"<s>": 300}, added_tokens={}
+            byte_ranks, pattern=r"\S+", special_tokens={"<s>": 300}, added_tokens={}
         )
     with pytest.raises(ValueError, match="every single byte"):
+        convert_tiktoken_bpe({b"a": 0, b"b": 1}, pattern=r"\S+", special_tokens={}, added_tokens={})
+    with pytest.raises(ValueError, match="the ranks must be 0..256"):
         convert_tiktoken_bpe(
-            _ranks_file(tmp_path / "short.tiktoken", [b"a", b"b"]),
-            pattern=r"\S+",
-            special_tokens={},
-            added_tokens={},
+            byte_ranks | {b"ab": 300}, pattern=r"\S+", special_tokens={}, added_tokens={}
         )
     (tmp_path / "bad.tiktoken").write_text("QQ== 0\nnot base64\n")
     with pytest.raises(ValueError, match=r"bad.tiktoken:2: expected"):
         read_tiktoken_ranks(tmp_path / "bad.tiktoken")
+
+
+def test_a_trained_bpe_round_trips_through_a_ranks_file(tmp_path):
+    """A byte-level BPE's merges, written as tiktoken ranks and converted back, encode as the
+    trained tokenizer does (and as tiktoken does with the same file)."""
+    pattern = r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+"
+    trained = train_tiny_bpe(pattern, 600)
+    ranks = byte_level_bpe_ranks(trained)
+    assert len(ranks) == trained.get_vocab_size() == 600
+    write_tiktoken_ranks(tmp_path / "tiny.tiktoken", ranks)
+    assert read_tiktoken_ranks(tmp_path / "tiny.tiktoken") == ranks
+    ours = convert_tiktoken_bpe(ranks, pattern=pattern, special_tokens={}, added_tokens={})
+    reference = tiktoken.Encoding("tiny", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    for text in [*CORPUS, *random_texts(200)]:
+        ids = reference.encode(text)
+        assert ours.encode(text).ids == ids, text
+        assert [trained.id_to_token(i) for i in trained.encode(text).ids] == [
+            ours.id_to_token(i) for i in ids
+        ], text

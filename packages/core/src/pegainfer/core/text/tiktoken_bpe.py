@@ -12,6 +12,7 @@ package is not needed.
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,8 +33,18 @@ def read_tiktoken_ranks(ranks_file: Path) -> dict[bytes, int]:
     return ranks
 
 
+def write_tiktoken_ranks(ranks_file: Path, ranks: Mapping[bytes, int]) -> None:
+    """Write `ranks` as a tiktoken ranks file, in rank order (what `read_tiktoken_ranks` reads)."""
+    lines = [f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=_rank)]
+    Path(ranks_file).write_text("".join(lines))
+
+
+def _rank(item: tuple[bytes, int]) -> int:
+    return item[1]
+
+
 def convert_tiktoken_bpe(
-    ranks_file: Path,
+    ranks: Mapping[bytes, int],
     *,
     pattern: str,
     special_tokens: Mapping[str, int],
@@ -47,11 +58,10 @@ def convert_tiktoken_bpe(
     with `<think>`) must take the ids right after the vocabulary, in any order between them.
     There is no normalizer: tiktoken has none (a caller adds one if its model's tokenizer does).
     """
-    ranks = read_tiktoken_ranks(ranks_file)
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{ranks_file}: the ranks must be 0..{len(ranks) - 1}, each once")
+        raise ValueError(f"the ranks must be 0..{len(ranks) - 1}, each once")
     if missing := [bytes([b]) for b in range(256) if bytes([b]) not in ranks]:
-        raise ValueError(f"{ranks_file}: every single byte must be a token; missing {missing[:8]}")
+        raise ValueError(f"every single byte must be a token; missing {missing[:8]}")
 
     byte_to_char = _bytes_to_unicode()
 
@@ -89,6 +99,21 @@ def convert_tiktoken_bpe(
     )
     _add_tokens(tokenizer, special_tokens, added_tokens)
     return tokenizer
+
+
+def byte_level_bpe_ranks(tokenizer: Tokenizer) -> dict[bytes, int]:
+    """The tiktoken ranks of a trained byte-level BPE: the 256 bytes, then each merge's token
+    in merge order (the inverse of `convert_tiktoken_bpe` for a vocabulary BPE trained)."""
+    model = json.loads(tokenizer.to_str())["model"]
+    if model["type"] != "BPE":
+        raise ValueError(f"expected a BPE model, got {model['type']}")
+    char_to_byte = {char: byte for byte, char in _bytes_to_unicode().items()}
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in model["merges"]:
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        token = bytes(char_to_byte[c] for c in left + right)
+        ranks.setdefault(token, len(ranks))  # two merges may spell one token: it ranks once
+    return ranks
 
 
 def _last_merge(token: bytes, ranks: Mapping[bytes, int]) -> tuple[bytes, bytes] | None:

@@ -112,6 +112,32 @@ Typography: “curly quotes”, ‘single’, en–dash, em—dash, ellipsis…,
 """
 
 
+def train_tiny_bpe(
+    split_regex: str, vocab_size: int, normalizer: normalizers.Normalizer | None = None
+) -> Tokenizer:
+    """A byte-level BPE of at most `vocab_size` tokens (every byte, then merges) trained on the
+    built-in corpus, its text split by `split_regex` (a model's pre-tokenization regex) after
+    `normalizer`. Deterministic, and well under a second."""
+    tokenizer = Tokenizer(models.BPE())
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    return tokenizer
+
+
 def write_tiny_tokenizer(
     out_dir: Path,
     *,
@@ -134,23 +160,7 @@ def write_tiny_tokenizer(
     if missing:
         raise ValueError(f"{missing} must be among special_tokens")
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
-
+    tokenizer = train_tiny_bpe(_SPLIT_REGEX, vocab_size, normalizers.NFC())
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in special_tokens]
     )

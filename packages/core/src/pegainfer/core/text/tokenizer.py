@@ -107,7 +107,13 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ConfigError(f"cannot load {tokenizer_file}: {e}") from e
+        return cls.with_checkpoint_config(backend, path)
 
+    @classmethod
+    def with_checkpoint_config(cls, backend: BackendTokenizer, path: str | Path) -> Tokenizer:
+        """`backend` (however it was built) with the named special tokens of the checkpoint's
+        `tokenizer_config.json` and its chat templates (see `from_dir`)."""
+        path = Path(path)
         config = read_json_object(path / TOKENIZER_CONFIG_FILE, required=False)
         special_tokens = {}
         for name in _NAMED_SPECIAL_TOKENS:

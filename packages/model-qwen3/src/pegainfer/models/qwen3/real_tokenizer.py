@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import normalizers
 
-from pegainfer.core.text.tiktoken_bpe import convert_tiktoken_bpe
+from pegainfer.core.text.tiktoken_bpe import convert_tiktoken_bpe, read_tiktoken_ranks
 from pegainfer.core.text.tiny_tokenizer import write_tokenizer_config
 from pegainfer.models.qwen3.tiny import write_generation_config
 
@@ -84,7 +84,7 @@ def write_qwen3_tokenizer(out_dir: Path) -> None:
         ) from e
     with resources.as_file(package / "resources" / "qwen.tiktoken") as ranks_file:
         tokenizer = convert_tiktoken_bpe(
-            ranks_file,
+            read_tiktoken_ranks(ranks_file),
             pattern=SPLIT_PATTERN,
             special_tokens=SPECIAL_TOKENS,
             added_tokens=ADDED_TOKENS,
