@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pegainfer.core.errors import ConfigError
+from pegainfer.core.quant.linear import Weight, linear
 
 C = TypeVar("C")
 
@@ -101,17 +102,16 @@ def shard_columns(weight: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return weight[:, start:end]
 
 
-def column_parallel_linear(x: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
-    """x [.., in] by this rank's rows of W: this rank's slice of the output features."""
-    return F.linear(x, shard)
+def column_parallel_linear(x: torch.Tensor, shard: Weight) -> torch.Tensor:
+    """x [.., in] by this rank's rows of W (plain or quantized): this rank's slice of the
+    output features."""
+    return linear(x, shard)
 
 
-def row_parallel_linear(
-    x_slice: torch.Tensor, shard: torch.Tensor, group: ParallelGroup
-) -> torch.Tensor:
-    """This rank's slice of the input features by its columns of W, summed over the ranks:
-    the full output on every rank."""
-    return group.all_reduce(F.linear(x_slice, shard))
+def row_parallel_linear(x_slice: torch.Tensor, shard: Weight, group: ParallelGroup) -> torch.Tensor:
+    """This rank's slice of the input features by its columns of W (plain or quantized),
+    summed over the ranks: the full output on every rank."""
+    return group.all_reduce(linear(x_slice, shard))
 
 
 def vocab_parallel_embedding(

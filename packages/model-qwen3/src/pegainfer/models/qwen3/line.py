@@ -7,6 +7,7 @@ from typing import Any
 
 from pegainfer.core.loading.weights import build_and_load
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.quant.scheme import parse_quantization
 from pegainfer.models.qwen3.config import Qwen3Config
 
 
@@ -27,7 +28,8 @@ class Qwen3Line(ModelLine):
         from pegainfer.models.qwen3.model import Qwen3ForCausalLM
 
         cfg = Qwen3Config.from_dict(ctx.config)
-        return build_and_load(lambda: Qwen3ForCausalLM(cfg, ctx.parallel), ctx)
+        scheme = parse_quantization(ctx.config)
+        return build_and_load(lambda: Qwen3ForCausalLM(cfg, ctx.parallel, scheme), ctx)
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any

@@ -9,6 +9,9 @@ Under tensor parallelism (`distributed.parallel`) each rank holds its share of t
 KV heads and MLP width (column-parallel q/k/v and gate/up, row-parallel o and down, whose
 outputs are summed over the ranks) and of the vocabulary (embedding and LM head); `cfg` is the
 rank's own shape, `full_cfg` the checkpoint's.
+
+A quantized checkpoint (`Qwen/Qwen3-8B-FP8`: FP8 with 128x128 block scales) stores its linear
+layers as `core.quant` says; embeddings, norms and the LM head stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.core.attention.paged import GQAShape, PagedAttention, make_paged_attention
 from pegainfer.core.distributed import parallel
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.loading.weights import WeightTarget, empty_param
@@ -29,6 +32,8 @@ from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
+from pegainfer.core.quant.linear import linear, linear_weight
+from pegainfer.core.quant.scheme import QuantScheme
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.qwen3.config import Qwen3Config
 
@@ -48,19 +53,32 @@ def _ops(device: torch.device) -> _Ops:
 
 
 class Qwen3Layer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, group: parallel.ParallelGroup) -> None:
+    def __init__(
+        self,
+        cfg: Qwen3Config,
+        group: parallel.ParallelGroup,
+        index: int,
+        scheme: QuantScheme | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.group = group
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.input_layernorm = empty_param(cfg.hidden_size)
-        self.qkv_proj = empty_param(q_size + 2 * kv_size, cfg.hidden_size)
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+
+        def fmt(*modules: str):  # how the checkpoint stores these layers (fused into one)
+            names = [f"model.layers.{index}.{module}" for module in modules]
+            return scheme.common_format(names) if scheme is not None else None
+
+        self.input_layernorm = empty_param(h)
+        qkv = fmt("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        self.qkv_proj = linear_weight(q_size + 2 * kv_size, h, qkv)
         self.q_norm = empty_param(cfg.head_dim)
         self.k_norm = empty_param(cfg.head_dim)
-        self.o_proj = empty_param(cfg.hidden_size, q_size)
-        self.post_attention_layernorm = empty_param(cfg.hidden_size)
-        self.gate_up_proj = empty_param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = empty_param(cfg.hidden_size, cfg.intermediate_size)
+        self.o_proj = linear_weight(h, q_size, fmt("self_attn.o_proj"))
+        self.post_attention_layernorm = empty_param(h)
+        self.gate_up_proj = linear_weight(2 * inter, h, fmt("mlp.gate_proj", "mlp.up_proj"))
+        self.down_proj = linear_weight(h, inter, fmt("mlp.down_proj"))
 
     def attention(
         self,
@@ -73,7 +91,7 @@ class Qwen3Layer(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj)
         if ops.fused_qk is not None:
             q = ops.fused_qk(
                 qkv, self.q_norm, self.k_norm, rope.cos, rope.sin, batch.positions,
@@ -93,7 +111,7 @@ class Qwen3Layer(nn.Module):
         return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
 
     def mlp(self, x: torch.Tensor, ops: _Ops) -> torch.Tensor:
-        h = ops.silu_and_mul(F.linear(x, self.gate_up_proj))
+        h = ops.silu_and_mul(linear(x, self.gate_up_proj))
         return parallel.row_parallel_linear(h, self.down_proj, self.group)
 
 
@@ -101,15 +119,24 @@ class Qwen3ForCausalLM(Model):
     supports_cuda_graphs = True
     supports_piecewise_graphs = True
 
-    def __init__(self, cfg: Qwen3Config, group: parallel.ParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Qwen3Config,
+        group: parallel.ParallelGroup | None = None,
+        scheme: QuantScheme | None = None,
+    ) -> None:
         super().__init__()
+        if scheme is not None and scheme.format_for("lm_head") is not None:
+            raise ConfigError("Qwen3 with a quantized LM head is not supported")
         self.group = group = group or parallel.ParallelGroup()
         self.full_cfg = cfg
         split = ("num_heads", "num_kv_heads", "intermediate_size")
         self.cfg = cfg = parallel.shard_config(cfg, group, split, vocab_size=cfg.vocab_size)
         vocab_rows = cfg.vocab_size // group.world_size
         self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3Layer(cfg, group) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            Qwen3Layer(cfg, group, index, scheme) for index in range(cfg.num_layers)
+        )
         self.norm = empty_param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
         self.rope: RotaryEmbedding | None = None
