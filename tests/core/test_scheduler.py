@@ -137,3 +137,22 @@ def test_a_preempted_request_gives_its_slot_back():
     assert [r.request_id for r in step.preempted] == ["new"] and step.preempted[0].slot is None
     assert [r.slot for r in s.running] == [0]
     s.blocks.check_invariants()
+
+
+def test_one_token_chunks_come_first_in_their_order():
+    """Attention runs a step's leading one-token rows apart from the prefill rows: a one-token
+    chunk (here a one-token prompt) moves ahead of the prefill chunks; the rest keep their
+    order."""
+    s = make(budget=32)
+    s.add(request("long", 40))
+    assert sizes(run_step(s)) == {"long": 32}
+    s.add(request("p", 1, first=100))
+    s.add(request("b", 2, first=200))
+    step = run_step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in step.chunks] == [
+        ("p", 1), ("long", 8), ("b", 2)
+    ]  # fmt: skip
+    step = run_step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in step.chunks] == [
+        ("long", 1), ("p", 1), ("b", 1)
+    ]  # fmt: skip

@@ -60,19 +60,29 @@ def test_graph_replay_equals_eager_for_the_same_batch(small):
     assert_graph_replay_equals_eager(small[1])
 
 
-def test_mixed_step_matches_the_reference_attention(small):
+@pytest.mark.parametrize(
+    "fresh_lengths, decodes_first",
+    [((33, 1, 70), True), ((33, 1, 70), False), ((), True), ((40, 9), True)],
+    ids=["decodes-then-prefill", "prefill-then-decodes", "decodes-only", "prefill-only"],
+)
+def test_mixed_step_matches_the_reference_attention(small, fresh_lengths, decodes_first):
     """Decodes and prefill chunks in one eager step (a one-token prompt among them) against
-    the torch reference attention on the same step, at the gate's tolerances."""
+    the torch reference attention on the same step, at the gate's tolerances: leading decode
+    rows run through the decode plan, the rest through the prefill plan."""
     _, engine, _ = small
     model, bs, cuda = engine.model, engine.config.block_size, torch.device("cuda")
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    with_decodes = fresh_lengths != (40, 9)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)] if with_decodes else []
     tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
-    TeacherForcer(engine)._step(prompts, [0] * 3, tables, graphs=False)
-    fresh = [list(range(50, 50 + n)) for n in (33, 1, 70)]
+    if prompts:
+        TeacherForcer(engine)._step(prompts, [0] * 3, tables, graphs=False)
+    fresh = [list(range(50, 50 + n)) for n in fresh_lengths]
     tables += [engine.block_manager.allocate(-(-len(p) // bs)) for p in fresh]
-    chunks = [[7], [8], [9], *fresh]
-    starts = [len(p) for p in prompts] + [0, 0, 0]
-    batch = ForwardBatch.build(chunks, starts, tables, [True] * 6, bs, cuda)
+    chunks = [[7 + i] for i in range(len(prompts))] + fresh
+    starts = [len(p) for p in prompts] + [0] * len(fresh)
+    if not decodes_first:
+        chunks, starts, tables = chunks[::-1], starts[::-1], tables[::-1]
+    batch = ForwardBatch.build(chunks, starts, tables, [True] * len(chunks), bs, cuda)
     flashinfer_attention = model.attn
     with torch.inference_mode():
         model.prepare(batch)

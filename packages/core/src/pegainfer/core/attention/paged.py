@@ -1,9 +1,14 @@
 """Paged GQA attention: one interface, a torch reference and a FlashInfer implementation.
 
 A model plans attention once per step (`plan`), outside any CUDA graph, then calls `run` in
-every layer. The FlashInfer backend runs mixed steps (prefill chunks and decodes) through one
-batch-prefill plan, decodes being one-row queries, and pure-decode steps captured in CUDA
-graphs through a decode wrapper per batch-size bucket with fixed index buffers.
+every layer. The FlashInfer backend runs a step's leading one-token rows (decodes: the
+scheduler puts them first) through a decode plan and the rest (prefill chunks) through a
+batch-prefill plan, each into its slice of the output; pure-decode steps are captured in CUDA
+graphs through a decode wrapper per batch-size bucket with fixed index buffers. Decodes go
+apart because the prefill planner picks one query tile for the whole batch from its mean query
+length: beside a long prompt, each one-row decode then fills a tile sized for the prompt (at 256
+decodes and a 1,024-token prompt on an H200, attention took 14.5 ms a step against 11.3 ms for
+the same decodes alone).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,6 +111,22 @@ class PagedIndex:
             last_page_len=torch.from_numpy(seq_lens - (pages - 1) * bs).pin_memory(),
         )
 
+    def split(self, seqs: int) -> tuple[PagedIndex, PagedIndex]:
+        """The first `seqs` sequences' pages and the others' (indptrs rebased to 0)."""
+        cut = int(self.kv_indptr[seqs])
+        head = PagedIndex(self.kv_indptr[: seqs + 1], self.kv_indices[:cut],
+                          self.last_page_len[:seqs])  # fmt: skip
+        tail = PagedIndex((self.kv_indptr[seqs:] - cut).pin_memory(), self.kv_indices[cut:],
+                          self.last_page_len[seqs:])  # fmt: skip
+        return head, tail
+
+
+def leading_decodes(batch: ForwardBatch) -> int:
+    """How many sequences at the start of `batch` have one query row."""
+    lens = np.asarray(batch.query_lens_cpu)
+    longer = np.flatnonzero(lens != 1)
+    return int(longer[0]) if len(longer) else len(lens)
+
 
 class PlanStaging:
     """FlashInfer's plan() stages its schedule in a pinned host buffer and copies it
@@ -159,16 +181,31 @@ class FlashInferPagedAttention(PagedAttention):
             )
             for bucket in graph_buckets
         }
-        self._active = self._prefill
-        self._staging = PlanStaging()
+        # Eager steps: decode rows, then prefill rows. The wrappers share the workspace (their
+        # runs follow each other on one stream); each stages its own plan.
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=tensor_cores
+        )
+        # (wrapper, first row, rows) of the step planned, in order.
+        self._active: list[tuple[Any, int, int]] = []
+        self._decode_staging, self._prefill_staging = PlanStaging(), PlanStaging()
+        self._graph_staging = PlanStaging()
 
     def plan(self, batch: ForwardBatch) -> None:
         index = PagedIndex.of(batch, self.device)
-        qo_indptr = batch.query_start_loc_cpu.pin_memory()
+        decodes = leading_decodes(batch)
+        self._active = []
+        if decodes:
+            head, index = index.split(decodes) if decodes < batch.num_seqs else (index, None)
+            self._plan_decode(self._decode, head, batch.block_size, self._decode_staging)
+            self._active.append((self._decode, 0, decodes))
+        if index is None:
+            return
+        qo_indptr = batch.query_start_loc_cpu[decodes:] - decodes
         s = self.shape
-        with self._staging:
+        with self._prefill_staging:
             self._prefill.plan(
-                qo_indptr,
+                qo_indptr.pin_memory(),
                 index.kv_indptr,
                 index.kv_indices,
                 index.last_page_len,
@@ -181,13 +218,19 @@ class FlashInferPagedAttention(PagedAttention):
                 q_data_type=self.dtype,
                 kv_data_type=self.dtype,
             )
-        self._active = self._prefill
+        self._active.append((self._prefill, decodes, batch.num_tokens - decodes))
 
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
         index = PagedIndex.of(batch, self.device)
-        s = self.shape
         wrapper = self._graph_decode[bucket]
-        with self._staging:
+        self._plan_decode(wrapper, index, batch.block_size, self._graph_staging)
+        self._active = [(wrapper, 0, bucket)]
+
+    def _plan_decode(
+        self, wrapper: Any, index: PagedIndex, block_size: int, staging: PlanStaging
+    ) -> None:
+        s = self.shape
+        with staging:
             wrapper.plan(
                 index.kv_indptr,
                 index.kv_indices,
@@ -195,16 +238,16 @@ class FlashInferPagedAttention(PagedAttention):
                 s.num_heads,
                 s.num_kv_heads,
                 s.head_dim,
-                batch.block_size,
+                block_size,
                 sm_scale=s.scale,
                 q_data_type=self.dtype,
                 kv_data_type=self.dtype,
             )
-        self._active = wrapper
 
     def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Into a preallocated output: without one, the prefill wrapper zero-fills its own.
-        self._active.run(q, kv_layer, out=out)
+        for wrapper, start, rows in self._active:
+            wrapper.run(q[start : start + rows], kv_layer, out=out[start : start + rows])
         return out
 
 

@@ -209,6 +209,8 @@ class Scheduler:
                 # so the host prepares and launches the step while the copies land.
             step.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+        # One-token chunks (decodes) first: attention runs them apart from the prefill rows.
+        step.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
         return step
 
     def update(self, step: SchedulerStep, sampled: Iterable[int]) -> list[Request]:
