@@ -6,6 +6,8 @@ head), then `o_proj`. Under tensor parallelism a rank holds its share of the hea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,17 @@ from pegainfer.core.runner.forward_batch import ForwardBatch
 
 # transformers builds kv_a_layernorm (and q_a_layernorm) with its RMSNorm's default eps.
 LATENT_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class LatentQueries:
+    """A step's queries: the normalised q-LoRA output (None without a q LoRA; GLM-5's indexer
+    reads it), each head's nope part [tokens, heads, nope] and roped part [tokens, heads,
+    rope]."""
+
+    q_lora: torch.Tensor | None
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
 
 
 class LatentAttention(nn.Module):
@@ -42,21 +55,30 @@ class LatentAttention(nn.Module):
         )
         self.o_proj = empty_param(h, heads * cfg.v_head_dim)
 
-    def forward(
+    @property
+    def kv_b(self) -> torch.Tensor:
+        """kv_b_proj per head: [heads, nope + value, latent]."""
+        cfg = self.cfg
+        return self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+
+    def queries(
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
         ckv: torch.Tensor,
         kpe: torch.Tensor,
         rope: InterleavedRope,
-        attn: MultiHeadLatentAttention,
-    ) -> torch.Tensor:
+    ) -> LatentQueries:
+        """The step's queries from the layer input x [tokens, hidden]; writes the step's
+        normalised latents and roped shared keys into the layer's caches."""
         cfg, tokens = self.cfg, x.shape[0]
         q, kv_a = F.linear(x, self.q_kv_a_proj).split(
             [self.q_rows, self.q_kv_a_proj.shape[0] - self.q_rows], dim=-1
         )
+        q_lora = None
         if cfg.q_lora_rank is not None:
-            q = F.linear(rms_norm(q, self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+            q_lora = rms_norm(q, self.q_a_layernorm, LATENT_NORM_EPS)
+            q = F.linear(q_lora, self.q_b_proj)
         if x.is_cuda:
             from pegainfer.core.kernels.latent_input import latent_input
         else:
@@ -66,6 +88,21 @@ class LatentAttention(nn.Module):
             batch.slot_mapping, ckv, kpe, cfg.num_heads, cfg.qk_nope_head_dim, LATENT_NORM_EPS,
         )  # fmt: skip
         q_nope = q.view(tokens, cfg.num_heads, -1)[..., : cfg.qk_nope_head_dim]
-        kv_b = self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
-        out = attn.run(q_nope, q_pe, ckv, kpe, kv_b)
-        return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
+        return LatentQueries(q_lora, q_nope, q_pe)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj of attention's output [tokens, heads, value] (summed over the ranks)."""
+        return parallel.row_parallel_linear(out.reshape(out.shape[0], -1), self.o_proj,
+                                            self.group)  # fmt: skip
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        ckv: torch.Tensor,
+        kpe: torch.Tensor,
+        rope: InterleavedRope,
+        attn: MultiHeadLatentAttention,
+    ) -> torch.Tensor:
+        q = self.queries(x, batch, ckv, kpe, rope)
+        return self.output(attn.run(q.q_nope, q.q_pe, ckv, kpe, self.kv_b))

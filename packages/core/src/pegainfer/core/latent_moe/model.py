@@ -49,13 +49,14 @@ from pegainfer.core.runner.forward_batch import ForwardBatch
 
 class LatentMoELayer(nn.Module):
     def __init__(
-        self, cfg: LatentMoEConfig, index: int, group: parallel.ParallelGroup,
-        expert_parallel: bool, data_parallel: parallel.ParallelGroup,
+        self, cfg: LatentMoEConfig, index: int, attention: nn.Module,
+        group: parallel.ParallelGroup, expert_parallel: bool,
+        data_parallel: parallel.ParallelGroup,
     ) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = empty_param(cfg.hidden_size)
         self.post_attention_layernorm = empty_param(cfg.hidden_size)
-        self.self_attn = LatentAttention(cfg, group)
+        self.self_attn = attention
         if cfg.is_moe(index):
             self.mlp: nn.Module = MoE(
                 cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_shared_experts, cfg.routing,
@@ -88,8 +89,11 @@ class LatentMoEForCausalLM(Model):
         )  # fmt: skip
         vocab_rows = cfg.vocab_size // group.world_size
         self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(LatentMoELayer(cfg, i, group, expert_parallel, data_parallel)
-                                    for i in range(cfg.num_layers))  # fmt: skip
+        self.layers = nn.ModuleList(
+            LatentMoELayer(cfg, i, self.attention_layer(cfg, i), group, expert_parallel,
+                           data_parallel)
+            for i in range(cfg.num_layers)
+        )  # fmt: skip
         self.norm = empty_param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(vocab_rows, cfg.hidden_size)
         self.rope: InterleavedRope | None = None
@@ -102,6 +106,10 @@ class LatentMoEForCausalLM(Model):
         self.supports_piecewise_graphs = self.supports_cuda_graphs
         self.attn: MultiHeadLatentAttention | None = None
         self.ops: LayerOps | None = None
+
+    def attention_layer(self, cfg: LatentMoEConfig, index: int) -> nn.Module:
+        """Layer `index`'s attention module (a line with another attention overrides this)."""
+        return LatentAttention(cfg, self.group)
 
     @property
     def vocab_size(self) -> int:
@@ -211,15 +219,14 @@ class LatentMoEForCausalLM(Model):
         self, batch: ForwardBatch, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and the residual stream, every row."""
-        rope, cfg, elementwise = self.rope, self.cfg, self.ops
-        assert rope is not None and elementwise is not None, "init_runtime() must run first"
-        ckv, kpe, eps = kv_cache["ckv"], kv_cache["kpe"], cfg.rms_norm_eps
+        elementwise, eps = self.ops, self.cfg.rms_norm_eps
+        assert self.rope is not None and elementwise is not None, "init_runtime() must run first"
         capacity = max(batch.parallel_counts(self.data_parallel.world_size).tokens)
         hidden = parallel.vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.group)
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = elementwise.add_rms_norm(hidden, residual, layer.input_layernorm, eps)
-            hidden = layer.self_attn(x, batch, ckv[index], kpe[index], rope, self.attn)
+            hidden = self.attention(index, x, batch, kv_cache)
             x, residual = elementwise.add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, eps
             )
@@ -228,6 +235,13 @@ class LatentMoEForCausalLM(Model):
             else:
                 hidden = layer.mlp(x, elementwise)
         return hidden, residual
+
+    def attention(
+        self, index: int, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """Layer `index`'s attention output for its normalised input x."""
+        ckv, kpe = kv_cache["ckv"][index], kv_cache["kpe"][index]
+        return self.layers[index].self_attn(x, batch, ckv, kpe, self.rope, self.attn)
 
     def logits(
         self, states: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
