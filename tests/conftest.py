@@ -14,6 +14,7 @@ LINES = {
     "qwen35": ("pegainfer.models.qwen35", "qwen35"),
     "deepseek": ("pegainfer.models.deepseek", "deepseek"),
     "kimi_k2": ("pegainfer.models.kimi_k2", "kimi-k2"),
+    "glm5": ("pegainfer.models.glm5", "glm5"),
 }
 MISSING = {line for line, (module, _) in LINES.items() if find_spec(module) is None}
 TESTS = Path(__file__).parent

@@ -1,0 +1,38 @@
+"""The GLM-5 line: claims `model_type: glm_moe_dsa` checkpoints (GLM-5, 5.1, 5.2), built on
+core's latent-attention MoE decoder with DeepSeek sparse attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pegainfer.core.loading.weights import build_and_load
+from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+
+
+class Glm5Line(ModelLine):
+    name = "glm5"
+    unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
+
+    def probe(self, config: dict[str, Any]) -> Probe:
+        model_type = config.get("model_type")
+        if model_type == "glm_moe_dsa":
+            return Probe.claim()
+        return Probe.reject(f"model_type is {model_type!r}, not 'glm_moe_dsa'")
+
+    def build_model(self, ctx: ModelContext) -> Model:
+        from pegainfer.models.glm5.config import Glm5Config
+        from pegainfer.models.glm5.model import Glm5ForCausalLM
+
+        cfg = Glm5Config.from_dict(ctx.config)
+        return build_and_load(
+            lambda: Glm5ForCausalLM(cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel),
+            ctx,
+        )
+
+    def write_tiny_checkpoint(
+        self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
+    ) -> None:
+        from pegainfer.models.glm5.tiny import write_tiny_glm5
+
+        write_tiny_glm5(out_dir, seed=seed, num_shards=num_shards, **overrides)
