@@ -1,8 +1,10 @@
 """A linear layer whose weight is stored quantized (`QuantLinear`), and the helpers that let a
 model line treat plain and quantized weights alike (`linear_weight`, `linear`).
 
-The weight is dequantized exactly and multiplied in the activations' dtype: the reference,
-and what transformers does on the CPU (the CUDA kernels come next).
+On the CPU the weight is dequantized exactly and multiplied in the activations' dtype: the
+reference, and what transformers does on the CPU. On CUDA the Triton kernels of
+`core.kernels.quant_gemm` run (weight-only for few rows, FP8 x FP8 for many: the reasons are
+there).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class QuantLinear(nn.Module):
         return ref.dequantize_int4_group(weight, scale, self.fmt.group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from pegainfer.core.kernels import quant_gemm
+
+            return quant_gemm.quant_linear(x, self)
         return F.linear(x, self.dequantize(x.dtype))
 
     def extra_repr(self) -> str:
