@@ -18,6 +18,7 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.server.bench.make_checkpoint import DEEPSEEK_SHAPES
 from tests.deepseek.hf_reference import SMALL
+from tests.latent_moe_gate import write_gate_checkpoint
 from tests.qwen3.golden_gate import (
     PIECEWISE_LENGTHS,
     Case,
@@ -54,7 +55,7 @@ V2_LITE = {k: v for k, v in DEEPSEEK_SHAPES["deepseek-v2-lite"].items()
            if k not in ("rope_scaling", "torch_dtype")} | {
     "rope_parameters": LITE_GEOMETRY["rope_parameters"]} | GATE_ROUTING  # fmt: skip
 # The share of the residual the layers write (write_gate_checkpoint): peaked distributions.
-SMALL_LAYER_OUT, V2_LITE_LAYER_OUT, FINAL_NORM_GAIN = 0.25, 0.01, 0.3
+SMALL_LAYER_OUT, V2_LITE_LAYER_OUT = 0.25, 0.01
 
 
 def hf_model(path, dtype: torch.dtype):
@@ -127,44 +128,6 @@ def test_small_golden_gate(small):
     print(json.dumps(judge(long_pass, r16[-1:], r32[-1:], check=False), indent=2))
     print(json.dumps(judge(passes, r16[:-1], r32[:-1]), indent=2))
     judge(long_pass, r16[-1:], r32[-1:])
-
-
-def write_gate_checkpoint(path, config: dict, layer_out: float, seed: int = 0) -> None:
-    """A random `DeepseekV2ForCausalLM` (bf16) with the Qwen gates' recipe for peaked
-    distributions (`tests.qwen3.golden_gate.write_gate_checkpoint`): MLP and expert gate/up
-    halved, embedding std 1/sqrt(hidden), layer outputs (o, dense/shared/expert down) scaled by
-    `layer_out`, and an LM head equal to the embedding (its own parameter, as V2 unties them),
-    so each token's own logit stands above the bulk; the final norm's gain at 0.3 keeps that
-    logit near 14, where a bf16 step is 1/16 nat. Norms 1 + N(0, 0.1), a router spread enough
-    that tokens pick different experts."""
-    import transformers
-
-    cfg = transformers.DeepseekV2Config(**config, initializer_range=0.02, dtype="bfloat16",
-                                        bos_token_id=None, eos_token_id=None)  # fmt: skip
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # 15.7B parameters: never in float32 at once
-    try:
-        with torch.device("cuda"):
-            hf = transformers.DeepseekV2ForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(default)
-    hidden = cfg.hidden_size
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name == "model.norm.weight":
-                param.copy_(FINAL_NORM_GAIN * (1 + 0.1 * torch.randn_like(param)))
-            elif name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0, 2 * hidden**-0.5)
-            elif name.endswith(("gate_proj.weight", "up_proj.weight", "experts.gate_up_proj")):
-                param.mul_(0.5)
-            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                param.mul_(layer_out)
-        hf.model.embed_tokens.weight.normal_(0, hidden**-0.5)
-        hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
-    hf.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")

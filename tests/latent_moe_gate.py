@@ -1,0 +1,57 @@
+"""Golden-gate checkpoints of the latent-attention MoE lines (DeepSeek-V2, GLM-5): random
+weights written by transformers with the gates' recipe for peaked distributions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FINAL_NORM_GAIN = 0.3
+
+
+def write_gate_checkpoint(
+    path: Path, config: dict, layer_out: float, seed: int = 0, model: str = "DeepseekV2"
+) -> None:
+    """A random transformers `{model}ForCausalLM` (bf16) with the Qwen gates' recipe for peaked
+    distributions (`tests.qwen3.golden_gate.write_gate_checkpoint`): MLP and expert gate/up
+    halved, embedding std 1/sqrt(hidden), layer outputs (o, dense/shared/expert down) scaled by
+    `layer_out`, and an LM head equal to the embedding (its own parameter, as these models
+    untie them), so each token's own logit stands above the bulk; the final norm's gain at 0.3
+    keeps that logit near 14, where a bf16 step is 1/16 nat. Norms 1 + N(0, 0.1), a router
+    spread enough that tokens pick different experts; a noaux_tc router's correction bias and
+    GLM-5's indexer key-norm bias N(0, 0.1) (transformers starts them at 0)."""
+    import transformers
+
+    config_class = getattr(transformers, f"{model}Config")
+    cfg = config_class(**config, initializer_range=0.02, dtype="bfloat16", bos_token_id=None,
+                       eos_token_id=None)  # fmt: skip
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # billions of parameters: never in float32 at once
+    try:
+        with torch.device("cuda"):
+            hf = getattr(transformers, f"{model}ForCausalLM")(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    hidden = cfg.hidden_size
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name == "model.norm.weight":
+                param.copy_(FINAL_NORM_GAIN * (1 + 0.1 * torch.randn_like(param)))
+            elif name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("k_norm.bias"):
+                param.normal_(0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0, 2 * hidden**-0.5)
+            elif name.endswith(("gate_proj.weight", "up_proj.weight", "experts.gate_up_proj")):
+                param.mul_(0.5)
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                param.mul_(layer_out)
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
+        hf.model.embed_tokens.weight.normal_(0, hidden**-0.5)
+        hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
+    hf.save_pretrained(path)
