@@ -66,6 +66,8 @@ class ServerState:
             raise APIError(503, "the model is still loading", code="not_ready")
         if not self.client.alive:
             raise APIError(503, "the engine has stopped", code="engine_dead")
+        if self.client.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         return self.client
 
 
@@ -178,9 +180,13 @@ def build_app(state: ServerState) -> Starlette:
         return _json(await client.run_frontend(detokenized, client, body))
 
     async def health(request: Request) -> Response:
-        if state.client is not None and state.client.alive:
+        client = state.client
+        if client is not None and client.alive and not client.draining:
             return Response(status_code=200)
-        reason = state.startup_error or ("loading" if state.client is None else "engine stopped")
+        if client is None:
+            reason = state.startup_error or "loading"
+        else:
+            reason = "shutting down" if client.alive else "engine stopped"
         return Response(reason, status_code=503)
 
     async def metrics(request: Request) -> Response:

@@ -26,6 +26,7 @@ from pegainfer.core.errors import PegainferError
 if TYPE_CHECKING:
     from pegainfer.core.engine.core import EngineConfig
     from pegainfer.core.engine.process import EngineProcess
+    from pegainfer.server.app import ServerState
 
 logger = logging.getLogger("pegainfer.server")
 
@@ -81,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the kernel caps it at net.core.somaxconn). A burst beyond it is reset.",
     )
     server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_SHUTDOWN_TIMEOUT_S,
+        help="Seconds requests in flight get to finish on SIGTERM or SIGINT; what is left then "
+        "ends with a 503 (an error event and [DONE] in a stream). The listening socket closes "
+        "at once; meanwhile new requests on open connections and /health get 503.",
+    )
+    server.add_argument(
         "--max-request-bytes",
         type=int,
         default=32 << 20,
@@ -120,6 +129,7 @@ _SERVER_FIELDS = (
     "served_model_name",
     "api_key",
     "backlog",
+    "shutdown_timeout",
     "max_request_bytes",
     "max_waiting_requests",
     "log_level",
@@ -134,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=server["log_level"].upper(), format=_LOG_FORMAT)
     if server["backlog"] < 1:
         print("pegainfer-server: --backlog must be at least 1", file=sys.stderr)
+        return 2
+    if not 0 <= server["shutdown_timeout"] < float("inf"):
+        print("pegainfer-server: --shutdown-timeout must be a number of seconds >= 0",
+              file=sys.stderr)  # fmt: skip
         return 2
     try:
         engine_args = EngineArgs(**options).validate()
@@ -180,8 +194,10 @@ def _requested_parsers(server: dict[str, Any]) -> dict[str, str | None]:
 async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socket.socket) -> int:
     """Serve HTTP at once on `listener` and the model once the engine process has loaded it.
 
-    SIGINT and SIGTERM stop HTTP (open streams get a few seconds), then the engine process
-    (a bounded wait, then it is terminated); while the model loads, they end the load.
+    SIGINT and SIGTERM close the listening socket and drain: requests in flight get
+    `--shutdown-timeout` seconds, then what is left is ended with a proper error; then the
+    engine process stops (a bounded wait, then it is terminated). While the model loads, they
+    end the load.
     """
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
@@ -200,10 +216,13 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
         max_body_bytes=server["max_request_bytes"],
     )
     config = Config()
-    config.bind = [f"fd://{listener.fileno()}"]
+    # hypercorn owns the socket from here and closes it when it stops (at once on a signal).
+    config.bind = [f"fd://{listener.detach()}"]
     config.backlog = server["backlog"]
     config.accesslog = None
-    config.graceful_timeout = _GRACEFUL_S
+    # hypercorn waits this long for open connections once the socket is closed: the drain,
+    # then the time the ended requests take to write their errors.
+    config.graceful_timeout = server["shutdown_timeout"] + _ANSWER_ENDED_S
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -211,6 +230,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
     http = asyncio.create_task(
         hypercorn_serve(build_app(state), config, shutdown_trigger=stop.wait)
     )
+    drain = asyncio.create_task(_drain_on_stop(state, stop, server["shutdown_timeout"]))
 
     exit_code = 0
     engine = EngineProcess(engine_args, _LOG_FORMAT)
@@ -248,14 +268,27 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
                 stop.set()
         await http
     finally:  # whatever ended serving: the engine process (not a daemon) must not outlive it
+        drain.cancel()
         if state.client is not None:
             state.client.close()
         engine.shutdown(_ENGINE_STOP_S)
     return exit_code
 
 
-# Seconds open streams get once the server is asked to stop, then the engine process.
-_GRACEFUL_S = 5
+async def _drain_on_stop(state: ServerState, stop: asyncio.Event, grace: float) -> None:
+    """Once asked to stop, drain the engine client (hypercorn meanwhile closes the socket
+    and waits for the connections the drain lets finish)."""
+    await stop.wait()
+    if state.client is not None:
+        logger.info("stopping: requests in flight get %gs to finish", grace)
+        await state.client.drain(grace)
+
+
+# Seconds requests in flight get by default once the server is asked to stop (under
+# Kubernetes' default grace of 30 s, with the engine's stop after it); seconds ended requests
+# get to write their errors; seconds the engine process gets to stop.
+_SHUTDOWN_TIMEOUT_S = 15.0
+_ANSWER_ENDED_S = 5.0
 _ENGINE_STOP_S = 10.0
 
 

@@ -17,6 +17,7 @@ Tokenizing and compiling release the GIL; a template holds it only in slices.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -43,8 +44,14 @@ class ServerBusyError(RuntimeError):
     """Too many requests are waiting for their first token."""
 
 
+class ShuttingDownError(EngineFailedError):
+    """The server is stopping: the request was ended (or refused) past the shutdown grace."""
+
+
 # How long a reservation holds its slots if its requests never start (a client that left).
 _RESERVATION_TTL = 30.0
+
+_SHUTTING_DOWN = "the server is shutting down"
 
 # Threads preparing requests: enough to overlap a large request with small ones, few enough
 # that preparation never competes with the event loop for every core.
@@ -85,6 +92,11 @@ class AsyncEngineClient:
         self._waiting: set[str] = set()
         self._reservations: list[Reservation] = []
         self._failed = False
+        # Shutdown: draining (no new requests; those in flight may finish), then stopped
+        # (what is left was ended; nothing more starts). `_idle` is set once none are left.
+        self.draining = False
+        self._stopped = False
+        self._idle = asyncio.Event()
         self._engine = engine
         self._frontend_pool = ThreadPoolExecutor(_FRONTEND_THREADS, "pegainfer-frontend")
         engine.start(self._on_outputs)
@@ -106,6 +118,19 @@ class AsyncEngineClient:
     def close(self) -> None:
         """Stop the frontend's threads (work already queued still finishes)."""
         self._frontend_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def drain(self, grace: float) -> None:
+        """Stop taking requests, give those in flight up to `grace` seconds to finish, then
+        end the rest with `ShuttingDownError` (each consumer answers it: a 503, or an error
+        event and [DONE] in a stream)."""
+        self.draining = True
+        if not self._queues:
+            self._idle.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace)
+        self._stopped = True
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(RequestOutput.failure(request_id, _SHUTTING_DOWN))
 
     @property
     def alive(self) -> bool:
@@ -134,8 +159,7 @@ class AsyncEngineClient:
         Handlers reserve before they answer, so a refusal is a proper 503 even for a stream;
         `generate` claims the slots. A reservation nobody claims lapses after a while.
         """
-        if not self.alive:
-            raise EngineFailedError("the engine loop is not running")
+        self._refuse_if_stopped()
         now = time.monotonic()
         self._reservations = [r for r in self._reservations if now - r.created < _RESERVATION_TTL]
         held = len(self._waiting) + sum(r.slots for r in self._reservations)
@@ -155,8 +179,7 @@ class AsyncEngineClient:
         reservation.slots -= 1
         if reservation.slots <= 0 and reservation in self._reservations:
             self._reservations.remove(reservation)
-        if not self.alive:
-            raise EngineFailedError("the engine loop is not running")
+        self._refuse_if_stopped()
         request_id = request.request_id
         stream = RequestStream(
             request_id, request.prompt_token_ids, request.params, self.frontend.tokenizer, prompt
@@ -182,7 +205,8 @@ class AsyncEngineClient:
                     output = backlog[0]
                     if output.finish_reason == "error":
                         if delta is None:
-                            raise EngineFailedError(output.error or "the engine failed")
+                            failed = ShuttingDownError if self._stopped else EngineFailedError
+                            raise failed(output.error or "the engine failed")
                         break  # the tokens before the failure go out first
                     backlog.popleft()
                     step, last = self._process(stream, output, arrival, last)
@@ -195,6 +219,8 @@ class AsyncEngineClient:
         finally:
             self._queues.pop(request_id, None)
             self._waiting.discard(request_id)
+            if self.draining and not self._queues:
+                self._idle.set()
             if not stream.finished:
                 self._engine.send(AbortRequest([request_id]))
                 reason = "abort" if self.alive else "error"
@@ -206,6 +232,12 @@ class AsyncEngineClient:
                     generation_tokens=len(stream.token_ids),
                     max_tokens=request.params.max_tokens,
                 )
+
+    def _refuse_if_stopped(self) -> None:
+        if self._stopped:
+            raise ShuttingDownError(_SHUTTING_DOWN)
+        if not self.alive:
+            raise EngineFailedError("the engine loop is not running")
 
     def _process(
         self, stream: RequestStream, output: RequestOutput, arrival: float, last: float

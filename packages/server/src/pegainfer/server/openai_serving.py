@@ -21,6 +21,7 @@ from pegainfer.server.engine_client import (
     EngineFailedError,
     Reservation,
     ServerBusyError,
+    ShuttingDownError,
 )
 from pegainfer.server.errors import APIError, bad_request
 from pegainfer.server.protocol import (
@@ -284,6 +285,8 @@ def translate_engine_errors(
         )
     if isinstance(exc, ClientTooSlowError):
         return APIError(400, str(exc), code="client_too_slow")
+    if isinstance(exc, ShuttingDownError):
+        return APIError(503, str(exc), code="shutting_down")
     return APIError(500, str(exc), code="engine_error")
 
 
