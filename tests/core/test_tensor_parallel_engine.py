@@ -92,19 +92,23 @@ def assert_scores_close(got: list, expected: list) -> None:
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-@pytest.mark.line("deepseek")
-@pytest.mark.parametrize(("lora", "async_scheduling"),
-                         [({}, False), ({"q_lora_rank": 24}, False), ({}, True)],
-                         ids=["q", "q-lora", "q-async"])  # fmt: skip
-def test_two_attention_ranks_generate_what_one_does(tmp_path, lora, async_scheduling):
-    """DeepSeek with data-parallel attention: the three requests spread over two ranks (two
-    on rank 0), prompts chunked over steps where the other rank decodes or idles (its dummy
-    token still joins the experts' all-to-all), each MoE layer's tokens exchanged with the
-    experts' rank; greedy tokens, their logprobs and the prompts' equal one process's. Under
-    async scheduling each rank's decode rows take their ids from rank 0's broadcast."""
-    from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
+@pytest.mark.parametrize(("line", "lora", "async_scheduling"),
+                         [("deepseek", {}, False), ("deepseek", {"q_lora_rank": 24}, False),
+                          ("deepseek", {}, True), ("glm5", {}, False)],
+                         ids=["q", "q-lora", "q-async", "glm5"])  # fmt: skip
+def test_two_attention_ranks_generate_what_one_does(tmp_path, line, lora, async_scheduling):
+    """DeepSeek (and GLM-5, whose prompts attend sparsely) with data-parallel attention: the
+    three requests spread over two ranks (two on rank 0), prompts chunked over steps where the
+    other rank decodes or idles (its dummy token still joins the experts' all-to-all), each
+    MoE layer's tokens exchanged with the experts' rank; greedy tokens, their logprobs and the
+    prompts' equal one process's. Under async scheduling each rank's decode rows take their
+    ids from rank 0's broadcast."""
+    if line == "glm5":
+        from tests.glm5.hf_reference import write_hf_checkpoint
+    else:
+        from tests.deepseek.hf_reference import write_hf_checkpoint
 
-    path = write_deepseek(tmp_path / "deepseek", **lora)
+    path = write_hf_checkpoint(tmp_path / line, **lora)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3,
                             prompt_logprobs=2)  # fmt: skip
     expected = scored_outputs(make_engine(path), prompts(), params)

@@ -1,7 +1,7 @@
-"""Qwen3, Qwen3.5 and DeepSeek-V2 split over two gloo ranks (heads, KV heads, DeltaNet heads,
-MLP width and vocabulary halved, each routed expert's width halved or, expert parallel, the
-routed experts divided, weights sliced from the checkpoint at load) compute the
-single-process logits (float32)."""
+"""Qwen3, Qwen3.5, DeepSeek-V2 and GLM-5 split over two gloo ranks (heads, KV heads, DeltaNet
+heads, MLP width and vocabulary halved, each routed expert's width halved or, expert parallel,
+the routed experts divided, weights sliced from the checkpoint at load; GLM-5's indexer whole
+on each rank) compute the single-process logits (float32)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.paged_runner import PagedRunner, random_tokens
 from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
 
 # "deepseek-ep": the routed experts divided between the ranks rather than split in width.
-LINES = ("deepseek", "deepseek-ep", "qwen3", "qwen35")
+LINES = ("deepseek", "deepseek-ep", "glm5", "glm5-ep", "qwen3", "qwen35")
 
 
 def line_class(line: str) -> type[ModelLine]:
@@ -35,6 +35,10 @@ def line_class(line: str) -> type[ModelLine]:
         from pegainfer.models.deepseek.line import DeepseekLine
 
         return DeepseekLine
+    if line.startswith("glm5"):
+        from pegainfer.models.glm5.line import Glm5Line
+
+        return Glm5Line
     return Qwen3Line
 
 
@@ -69,6 +73,10 @@ def write(line: str, path: Path, tie: bool) -> Path:
         from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek_checkpoint
 
         return write_deepseek_checkpoint(path, tie_word_embeddings=tie)
+    if line.startswith("glm5"):
+        from tests.glm5.hf_reference import write_hf_checkpoint as write_glm5_checkpoint
+
+        return write_glm5_checkpoint(path, tie_word_embeddings=tie)
     if line == "qwen35":
         from tests.qwen35.hf_reference import write_hf_checkpoint as write_qwen35_checkpoint
 

@@ -13,6 +13,7 @@ from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
 class Glm5Line(ModelLine):
     name = "glm5"
     unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
+    supports_data_parallel = True
 
     def probe(self, config: dict[str, Any]) -> Probe:
         model_type = config.get("model_type")
