@@ -205,7 +205,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
     from pegainfer.core.engine.frontend import Frontend
     from pegainfer.core.engine.metrics import Metrics
     from pegainfer.core.engine.process import EngineProcess
-    from pegainfer.server import parsers
+    from pegainfer.server import http2, parsers
     from pegainfer.server.app import ServerState, build_app
     from pegainfer.server.engine_client import AsyncEngineClient
 
@@ -215,6 +215,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
         api_key=server["api_key"],
         max_body_bytes=server["max_request_bytes"],
     )
+    http2.install()
     config = Config()
     # hypercorn owns the socket from here and closes it when it stops (at once on a signal).
     config.bind = [f"fd://{listener.detach()}"]
