@@ -109,7 +109,7 @@ def _weight_only_kernel(
     tl.store(dest, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _tile_k(block_cols: int, cap: int = 128) -> int:
+def tile_k(block_cols: int, cap: int = 128) -> int:
     """The longest power-of-two K tile (16 .. cap) inside one scale block of `block_cols`."""
     tile = cap
     while tile >= 16:
@@ -136,7 +136,7 @@ def weight_only_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         block_k = max(fmt.group_size, 128)
     else:
         int4, (scale_rows, scale_cols) = False, fmt.block
-        block_k = _tile_k(scale_cols)
+        block_k = tile_k(scale_cols)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)

@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pegainfer.core.kernels.quant_gemm import fp8_weight_tile, int4_weight_tile, tile_k
 from pegainfer.core.moe.routing import Routing
+from pegainfer.core.quant.scheme import Fp8Block, WeightFormat
+
+# The experts' storage, a kernel constant: plain weights, FP8 e4m3 with block scales, INT4
+# groups (both dequantized tile by tile in the kernels: `core.kernels.quant_gemm`).
+_PLAIN, _FP8, _INT4 = 0, 1, 2
 
 
 @triton.jit
@@ -37,6 +43,25 @@ def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def _weight_tile(
+    w, scale, k0, ks, cols, k_ok, col_ok, stride_wn, stride_sn, K,
+    QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """One expert's W^T tile [ks, cols] in DTYPE, W [N, K] at `w` (its scales at `scale`)."""
+    if QUANT == 1:
+        b = fp8_weight_tile(w, scale, k0, ks, cols, k_ok, col_ok, stride_wn, stride_sn, K,
+                            SCALE_ROWS, SCALE_COLS, DTYPE)  # fmt: skip
+    elif QUANT == 2:
+        b = int4_weight_tile(w, scale, k0, cols, col_ok, stride_wn, stride_sn, K, SCALE_COLS,
+                             BLOCK_K, BLOCK_N, DTYPE)  # fmt: skip
+    else:
+        b = tl.load(w + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+    return b
 
 
 @triton.jit
@@ -50,9 +75,10 @@ def _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x, w, hidden, sorted_pairs, block_expert,
+    x, w, scale, hidden, sorted_pairs, block_expert,
     num_pairs, top_k, hidden_size, inter,
-    stride_x, stride_we, stride_wn, stride_h,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     expert, pairs, valid = _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M)
@@ -61,8 +87,10 @@ def _gate_up_kernel(
     tokens = (pairs // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
-    w_gate = w + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
-    w_up = w_gate + inter * stride_wn
+    dtype = x.dtype.element_ty
+    w_gate, s_gate = w + expert * stride_we, scale + expert * stride_se
+    # The up rows start `inter` rows down (a whole number of scale blocks: the loader sees to it).
+    w_up, s_up = w_gate + inter * stride_wn, s_gate + (inter // SCALE_ROWS) * stride_sn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -70,9 +98,14 @@ def _gate_up_kernel(
         k_ok = ks < hidden_size
         a = tl.load(x + tokens[:, None] * stride_x + ks[None, :],
                     mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        gate += _dot(a, tl.load(w_gate + ks[:, None], mask=b_mask, other=0.0), IEEE)
-        up += _dot(a, tl.load(w_up + ks[:, None], mask=b_mask, other=0.0), IEEE)
+        b = _weight_tile(w_gate, s_gate, k0, ks, cols, k_ok, col_ok, stride_wn, stride_sn,
+                         hidden_size, QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K, BLOCK_N,
+                         dtype)  # fmt: skip
+        gate += _dot(a, b, IEEE)
+        b = _weight_tile(w_up, s_up, k0, ks, cols, k_ok, col_ok, stride_wn, stride_sn,
+                         hidden_size, QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K, BLOCK_N,
+                         dtype)  # fmt: skip
+        up += _dot(a, b, IEEE)
     out = gate * tl.sigmoid(gate) * up
     tl.store(hidden + pairs[:, None].to(tl.int64) * stride_h + cols[None, :],
              out.to(hidden.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])  # fmt: skip
@@ -80,9 +113,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    hidden, w, out, sorted_pairs, block_expert, weights,
+    hidden, w, scale, out, sorted_pairs, block_expert, weights,
     num_pairs, hidden_size, inter,
-    stride_h, stride_we, stride_wn, stride_out,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     expert, pairs, valid = _row_block(sorted_pairs, block_expert, num_pairs, BLOCK_M)
@@ -91,14 +125,16 @@ def _down_kernel(
     rows = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
-    w_cols = w + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    dtype = hidden.dtype.element_ty
+    w_expert, s_expert = w + expert * stride_we, scale + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
         a = tl.load(hidden + rows[:, None] * stride_h + ks[None, :],
                     mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        b = _weight_tile(w_expert, s_expert, k0, ks, cols, k_ok, col_ok, stride_wn, stride_sn,
+                         inter, QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K, BLOCK_N, dtype)  # fmt: skip
         acc += _dot(a, b, IEEE)
     scale = tl.load(weights + rows, mask=valid, other=0.0)
     tl.store(out + rows[:, None] * stride_out + cols[None, :], acc * scale[:, None],
@@ -294,15 +330,21 @@ def fused_moe(
     down: torch.Tensor,
     first: int = 0,
     shared: torch.Tensor | None = None,
+    *,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fmt: WeightFormat | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) over the experts held here, plus
     `shared` [T, H] (the shared experts' output) when given: `gate_up` [E, 2I, H] and `down`
-    [E, H, I] are experts `first`.. `first + E - 1`'s."""
+    [E, H, I] are experts `first`.. `first + E - 1`'s; stored as `fmt` says with their
+    `scales` (gate_up's, down's) when quantized (`moe.experts.QuantizedExpertWeights`)."""
     tokens, top_k = experts.shape
-    num_experts, hidden_size, inter = down.shape
+    num_experts, hidden_size, inter = down.shape[0], x.shape[1], gate_up.shape[1] // 2
     x, experts, weights = x.contiguous(), experts.contiguous(), weights.float().contiguous()
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("expert weights must be row-major in their last dimension")
+    if (fmt is None) != (scales is None):
+        raise ValueError("quantized experts come with their scales, plain ones without")
     result = torch.empty(tokens, hidden_size, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return result
@@ -311,21 +353,32 @@ def fused_moe(
     # fills long row blocks (a tile sweep at V2-Lite's shapes on the H200:
     # docs/benchmarks/2026-11-30-deepseek-h200/).
     block_m, block_k = (16, 128) if pairs <= 8 * num_experts else (64, 64)
+    quant, scale_rows, scale_cols = _storage(fmt)
+    if quant == _FP8:
+        block_k = tile_k(scale_cols, cap=block_k)  # a K tile inside one block of scales
+    elif quant == _INT4:
+        block_k = max(block_k, scale_cols)  # whole groups per K tile
+    # Plain weights: the scale arguments are never read.
+    gate_up_scale, down_scale = scales if scales is not None else (gate_up, down)
     sorted_pairs, block_expert = dispatch(experts, first, num_experts, block_m)
     ieee = x.dtype == torch.float32
     hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     block_n = 64
     grid = (block_expert.numel(), triton.cdiv(inter, block_n))
     _gate_up_kernel[grid](
-        x, gate_up, hidden, sorted_pairs, block_expert, pairs, top_k, hidden_size, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden.stride(0),
+        x, gate_up, gate_up_scale, hidden, sorted_pairs, block_expert, pairs, top_k,
+        hidden_size, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gate_up_scale.stride(0), gate_up_scale.stride(1), hidden.stride(0),
+        QUANT=quant, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
     )  # fmt: skip
     out = torch.empty(pairs, hidden_size, dtype=torch.float32, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(hidden_size, block_n))
     _down_kernel[grid](
-        hidden, down, out, sorted_pairs, block_expert, weights, pairs,
-        hidden_size, inter, hidden.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        hidden, down, down_scale, out, sorted_pairs, block_expert, weights, pairs,
+        hidden_size, inter, hidden.stride(0), down.stride(0), down.stride(1),
+        down_scale.stride(0), down_scale.stride(1), out.stride(0),
+        QUANT=quant, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
     )  # fmt: skip
     if shared is not None:
@@ -336,3 +389,16 @@ def fused_moe(
         TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=block,
     )  # fmt: skip
     return result
+
+
+def _storage(fmt: WeightFormat | None) -> tuple[int, int, int]:
+    """(the kernels' QUANT constant, the weight rows and columns one scale covers)."""
+    if fmt is None:
+        return _PLAIN, 1, 1
+    if isinstance(fmt, Fp8Block):
+        return _FP8, *fmt.block
+    if fmt.group_size & (fmt.group_size - 1) or fmt.group_size < 8:
+        raise ValueError(
+            f"the fused MoE needs a power-of-two INT4 group size, not {fmt.group_size}"
+        )
+    return _INT4, 1, fmt.group_size

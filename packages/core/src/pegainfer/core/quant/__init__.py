@@ -23,7 +23,12 @@ How a model line declares a quantized linear layer:
 line that has not done the above fails at load with a clear message rather than serving
 garbage.
 
-Expert banks: a stack of E experts' [N, K] weights is one `QuantLinear(E * N, K, fmt)` filled
-through row offsets (each expert's N rows must then be whole blocks of `fmt`: 128 for Kimi's
-FP8, any for INT4); its `stored()` tensors view as [E, N, ...] for the fused MoE kernels.
+MoE layers (`core.moe.layer`): pass `MLPFormats(gate_up=fmt, down=fmt)` to `MoE(routed=...,
+shared=...)`, `DenseMLP` or `SwiGLU`, each format from `scheme.common_format` over the
+checkpoint names (`model.layers.L.mlp.experts.E.gate_proj` ... for all of this rank's experts).
+A bank of routed experts is then two `QuantLinear` stacks, filled through the same per-expert
+row offsets as plain ones (FP8: each expert's widths must be whole blocks, 128 rows for Kimi;
+INT4: any), and `RoutedExperts.weights()` hands the compute a `QuantizedExpertWeights`: the
+fused Triton MoE with each weight tile dequantized in the kernel on CUDA, each chosen expert
+dequantized exactly, then the reference, elsewhere.
 """

@@ -41,10 +41,7 @@ class QuantLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in `dtype`, exactly as stored (one rounding to `dtype`)."""
-        weight, scale = self.stored()
-        if isinstance(self.fmt, Fp8Block):
-            return ref.dequantize_fp8_block(weight, scale, self.fmt.block, dtype)
-        return ref.dequantize_int4_group(weight, scale, self.fmt.group_size, dtype)
+        return dequantize(*self.stored(), self.fmt, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -55,6 +52,16 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.out_features}, {self.in_features}, {self.fmt.describe()}"
+
+
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, dtype: torch.dtype
+) -> torch.Tensor:
+    """Stored weights [.., N, K] (packed INT4: [.., N, K / 8]) and their scales in `fmt`,
+    dequantized exactly to `dtype` (the reference)."""
+    if isinstance(fmt, Fp8Block):
+        return ref.dequantize_fp8_block(weight, scale, fmt.block, dtype)
+    return ref.dequantize_int4_group(weight, scale, fmt.group_size, dtype)
 
 
 Weight = torch.Tensor | QuantLinear
