@@ -11,10 +11,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 
-# A pytest plugin that makes the Qwen3.5, DeepSeek and GLM-5 lines look uninstalled.
+# A pytest plugin that makes the Qwen3.5, DeepSeek, Kimi-K2 and GLM-5 lines look uninstalled.
 ONLY_QWEN3 = """
 import sys
-for name in ("pegainfer.models.qwen35", "pegainfer.models.deepseek", "pegainfer.models.glm5"):
+for name in ("pegainfer.models.qwen35", "pegainfer.models.deepseek", "pegainfer.models.kimi_k2",
+             "pegainfer.models.glm5"):
     sys.modules[name] = None  # import raises ModuleNotFoundError; find_spec answers None
 """
 
@@ -30,7 +31,7 @@ def test_the_suite_collects_with_only_the_qwen3_line(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert "tests/qwen3/" in out
-    assert not any(f"tests/{line}/" in out for line in ("qwen35", "deepseek", "glm5"))
+    assert not any(f"tests/{line}/" in out for line in ("qwen35", "deepseek", "kimi_k2", "glm5"))
     summary = result.stdout.strip().splitlines()[-1]
     assert "collected" in summary and "error" not in summary, out[-2000:]
     # Their cases elsewhere are collected, to be skipped (tests/conftest.py).

@@ -32,7 +32,7 @@ def test_core_declares_numpy_which_writing_safetensors_needs(tmp_path):
     assert "numpy" in names(project("core")["dependencies"])
 
 
-PACKAGES = [".", "core", "server", "model-qwen3", "model-qwen35", "model-deepseek"]
+PACKAGES = [".", "core", "server", "model-qwen3", "model-qwen35", "model-deepseek", "model-kimi-k2"]
 
 
 def test_workspace_packages_pin_each_other_to_their_one_version():

@@ -38,27 +38,39 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40)]
 
 
+def write_latent_moe(line: str, path: Path, **overrides) -> Path:
+    """A tiny DeepSeek-V2 checkpoint, or a Kimi-K2 one (q LoRA, noaux_tc routing) or a GLM-5
+    one for a `line` starting with "kimi_k2" or "glm5"."""
+    if line.startswith("kimi_k2"):
+        from tests.kimi_k2.hf_reference import write_hf_checkpoint
+    elif line.startswith("glm5"):
+        from tests.glm5.hf_reference import write_hf_checkpoint
+    else:
+        from tests.deepseek.hf_reference import write_hf_checkpoint
+    return write_hf_checkpoint(path, **overrides)
+
+
 @pytest.mark.parametrize(("line", "async_scheduling"), [
     ("qwen3", False), ("qwen3", True), ("qwen35", False), ("qwen35", True), ("deepseek", False),
-    ("deepseek-q-lora", False), ("deepseek-expert-parallel", True),
+    ("deepseek-q-lora", False), ("deepseek-expert-parallel", True), ("kimi_k2", False),
+    ("kimi_k2-expert-parallel", True),
 ])  # fmt: skip
 def test_two_ranks_generate_what_one_does(checkpoint, tmp_path, line, async_scheduling):
     """Greedy answers with chunked prefill; Qwen3.5's recurrent state slots (each rank holds
-    its heads' share of the state) follow rank 0's; DeepSeek's experts split over the ranks
-    too (each expert's width halved, with and without a q LoRA: the fused q/kv_a projection
-    keeps a rank's q rows or all q_a rows; or, expert parallel, the experts divided); under
-    async scheduling the decode rows' ids reach the other rank from rank 0."""
-    from tests.deepseek.hf_reference import write_hf_checkpoint as write_deepseek
+    its heads' share of the state) follow rank 0's; DeepSeek's and Kimi's experts split over
+    the ranks too (each expert's width halved, with and without a q LoRA: the fused q/kv_a
+    projection keeps a rank's q rows or all q_a rows; or, expert parallel, the experts
+    divided); under async scheduling the decode rows' ids reach the other rank from rank 0."""
     from tests.qwen35.hf_reference import write_hf_checkpoint as write_qwen35
 
     lora = {"q_lora_rank": 24} if line == "deepseek-q-lora" else {}
-    experts = {"enable_expert_parallel": line == "deepseek-expert-parallel"}
+    experts = {"enable_expert_parallel": line.endswith("expert-parallel")}
     if line == "qwen3":
         path = checkpoint
     elif line == "qwen35":
         path = write_qwen35(tmp_path / "qwen35", tie=False)
     else:
-        path = write_deepseek(tmp_path / "deepseek", **lora)
+        path = write_latent_moe(line, tmp_path / line, **lora)
     expected = generate(make_engine(path), prompts(), greedy(12))
     engine = make_engine(path, tensor_parallel_size=2, max_num_batched_tokens=24,
                          async_scheduling=async_scheduling, **experts)  # fmt: skip
@@ -94,21 +106,16 @@ def assert_scores_close(got: list, expected: list) -> None:
 
 @pytest.mark.parametrize(("line", "lora", "async_scheduling"),
                          [("deepseek", {}, False), ("deepseek", {"q_lora_rank": 24}, False),
-                          ("deepseek", {}, True), ("glm5", {}, False)],
-                         ids=["q", "q-lora", "q-async", "glm5"])  # fmt: skip
+                          ("deepseek", {}, True), ("glm5", {}, False), ("kimi_k2", {}, True)],
+                         ids=["q", "q-lora", "q-async", "glm5", "kimi_k2-async"])  # fmt: skip
 def test_two_attention_ranks_generate_what_one_does(tmp_path, line, lora, async_scheduling):
-    """DeepSeek (and GLM-5, whose prompts attend sparsely) with data-parallel attention: the
-    three requests spread over two ranks (two on rank 0), prompts chunked over steps where the
-    other rank decodes or idles (its dummy token still joins the experts' all-to-all), each
-    MoE layer's tokens exchanged with the experts' rank; greedy tokens, their logprobs and the
-    prompts' equal one process's. Under async scheduling each rank's decode rows take their
-    ids from rank 0's broadcast."""
-    if line == "glm5":
-        from tests.glm5.hf_reference import write_hf_checkpoint
-    else:
-        from tests.deepseek.hf_reference import write_hf_checkpoint
-
-    path = write_hf_checkpoint(tmp_path / line, **lora)
+    """DeepSeek (and GLM-5, whose prompts attend sparsely; and Kimi-K2: q LoRA, noaux_tc
+    routing) with data-parallel attention: the three requests spread over two ranks (two on
+    rank 0), prompts chunked over steps where the other rank decodes or idles (its dummy token
+    still joins the experts' all-to-all), each MoE layer's tokens exchanged with the experts'
+    rank; greedy tokens, their logprobs and the prompts' equal one process's. Under async
+    scheduling each rank's decode rows take their ids from rank 0's broadcast."""
+    path = write_latent_moe(line, tmp_path / line, **lora)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3,
                             prompt_logprobs=2)  # fmt: skip
     expected = scored_outputs(make_engine(path), prompts(), params)
