@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from pegainfer.core.loading.weights import WeightTarget, build_and_load, empty_param
+from pegainfer.core.model_line import ModelContext
 
 
 class Router(nn.Module):
@@ -24,7 +23,7 @@ class Router(nn.Module):
 def test_a_float32_parameter_stays_float32_in_a_bf16_model(tmp_path):
     bias = torch.tensor([1e-4, 1.0 + 1e-6, -3.0, 0.5])  # not representable in bf16
     save_file({"gate": torch.randn(4, 8), "bias": bias}, tmp_path / "model.safetensors")
-    ctx = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"), model_dir=tmp_path)
+    ctx = ModelContext(tmp_path, {}, torch.bfloat16, torch.device("cpu"))
     model = build_and_load(Router, ctx)
     assert model.gate.dtype == torch.bfloat16
     assert model.bias.dtype == torch.float32 and torch.equal(model.bias, bias)
