@@ -8,8 +8,8 @@ import pytest
 from pegainfer.core.errors import ConfigError, ModelLineError
 from pegainfer.core.plugins import create_plugin_manager, hookimpl
 from pegainfer.server import cli, parsers
-from pegainfer.server.reasoning import ThinkSplitter
-from pegainfer.server.tool_calls import HermesToolCalls, Qwen3XmlToolCalls
+from pegainfer.server.reasoning import KimiK2ThinkSplitter, ThinkSplitter
+from pegainfer.server.tool_calls import HermesToolCalls, KimiK2ToolCalls, Qwen3XmlToolCalls
 from tests.server.conftest import start_server, stop_server
 
 
@@ -27,8 +27,12 @@ def test_a_plugin_adds_a_parser_beside_the_builtins():
     pm = create_plugin_manager(load_entry_points=False)
     pm.register(ShoutingPlugin())
     found = parsers.registry(pm)
-    assert found["reasoning"] == {"qwen3": ThinkSplitter, "shouting": Shouting}
-    assert found["tool_call"] == {"hermes": HermesToolCalls, "qwen3_xml": Qwen3XmlToolCalls}
+    assert found["reasoning"] == {
+        "qwen3": ThinkSplitter, "kimi_k2": KimiK2ThinkSplitter, "shouting": Shouting,
+    }  # fmt: skip
+    assert found["tool_call"] == {
+        "hermes": HermesToolCalls, "qwen3_xml": Qwen3XmlToolCalls, "kimi_k2": KimiK2ToolCalls,
+    }  # fmt: skip
 
 
 def test_a_name_registered_twice_is_an_error():

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
+
+import msgspec
 
 from pegainfer.core.engine.frontend import RequestStream, StreamDelta
 from pegainfer.core.engine.messages import EngineRequest
@@ -37,7 +40,7 @@ from pegainfer.server.protocol import (
 )
 from pegainfer.server.reasoning import ThinkSplitter
 from pegainfer.server.structured import forced_tool_calls
-from pegainfer.server.tool_calls import ForcedToolCalls, TaggedToolCalls, ToolCall, whole_calls
+from pegainfer.server.tool_calls import ToolCall, ToolCallParser, whole_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -74,9 +77,6 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["reasoning_content"] = message.reasoning_content
         rendered.append(entry)
     return rendered
-
-
-ToolCallParser = TaggedToolCalls | ForcedToolCalls
 
 
 class AnswerParser:
@@ -126,8 +126,8 @@ class Chat:
         self,
         client: AsyncEngineClient,
         model_name: str,
-        reasoning_parser: Callable[[], ThinkSplitter] | None = None,
-        tool_call_parser: Callable[[], ToolCallParser] | None = None,
+        reasoning_parser: type[ThinkSplitter] | None = None,
+        tool_call_parser: type[ToolCallParser] | None = None,
     ) -> None:
         self.client = client
         self.model_name = model_name
@@ -148,9 +148,12 @@ class Chat:
             max_tokens = body.max_tokens
         tools = self._tools(body)
         parallel = body.parallel_tool_calls is not False
-        forced = forced_tool_calls(tools, body.tool_choice, parallel)
+        forced = forced_tool_calls(tools, body.tool_choice, parallel, self.tool_call_parser)
         logprobs = chat_count(body.logprobs, body.top_logprobs)
         params = sampling_params(self.client, body, max_tokens, logprobs, forced and forced[0])
+        if tools and self.tool_call_parser and self.tool_call_parser.needs_special_tokens:
+            # The calls are special tokens: the parser reads them in the answer's text.
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         try:
             text = self.client.frontend.chat_prompt(
                 template_messages(body.messages),
@@ -171,7 +174,10 @@ class Chat:
         self.client.metrics.record_request_params(body.n)
         tool_calls = self._tool_call_parser(body, forced)
         max_calls = None if parallel else 1
-        return rid, requests, lambda: AnswerParser(self.reasoning_parser, tool_calls, max_calls)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = partial(self.reasoning_parser.for_request, body.chat_template_kwargs or {})
+        return rid, requests, lambda: AnswerParser(reasoning, tool_calls, max_calls)
 
     def _tools(self, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model (none with tool_choice "none")."""
@@ -191,12 +197,14 @@ class Chat:
         return body.tools
 
     def _tool_call_parser(
-        self, body: ChatCompletionRequest, forced: tuple[Any, str | None] | None
+        self,
+        body: ChatCompletionRequest,
+        forced: tuple[Any, Callable[[], ToolCallParser]] | None,
     ) -> Callable[[], ToolCallParser] | None:
-        """Forced tool calls are read from the constrained JSON; under "auto" the server's
-        tool-call parser finds them in the text."""
+        """Forced tool calls are read by the parser their constraint names; under "auto" the
+        server's tool-call parser finds them in the text."""
         if forced is not None:
-            return lambda: ForcedToolCalls(forced[1])
+            return forced[1]
         if body.tools and body.tool_choice != "none" and self.tool_call_parser:
             return self.tool_call_parser
         return None

@@ -1,11 +1,16 @@
 """Reasoning parsers: the model's thinking split from its answer (`reasoning_content`).
 
 Qwen3 thinks inside `<think>…</think>` at the start of its answer (with thinking off its chat
-template already closes an empty block in the prompt, so the answer holds no tags). The split
-works on text as it streams: a tag cut across two deltas is held back, never shown as text.
+template already closes an empty block in the prompt, so the answer holds no tags). Kimi-K2's
+thinking models think from the answer's first token, `<think>` optional, until `</think>` or a
+tool-call section (vLLM's kimi_k2 parser); `chat_template_kwargs` `thinking: false` turns the
+split off. The split works on text as it streams: a tag cut across two deltas is held back,
+never shown as text.
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 BEFORE, INSIDE, CLOSED, AFTER = "before", "inside", "closed", "after"
 
@@ -15,10 +20,19 @@ class ThinkSplitter:
 
     start_tag = "<think>"
     end_tag = "</think>"
+    #: An answer that does not open with `start_tag` is reasoning all the same (else content).
+    starts_inside: ClassVar[bool] = False
+    #: Markers that end the reasoning without closing it; they stay in the content.
+    implicit_ends: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._state = BEFORE
         self._held = ""
+
+    @classmethod
+    def for_request(cls, chat_template_kwargs: dict[str, Any]) -> ThinkSplitter:
+        """The splitter of one answer to a request rendered with `chat_template_kwargs`."""
+        return cls()
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and content this text settles (held-back text may come later)."""
@@ -33,15 +47,22 @@ class ThinkSplitter:
                 elif self.start_tag.startswith(stripped):
                     break  # could still become the opening tag
                 else:
-                    self._state = AFTER
+                    self._state = INSIDE if self.starts_inside else AFTER
             elif self._state == INSIDE:
-                end = self._held.find(self.end_tag)
-                if end >= 0:
+                ends = [(at, tag) for tag in (self.end_tag, *self.implicit_ends)
+                        if (at := self._held.find(tag)) >= 0]  # fmt: skip
+                if ends:
+                    end, tag = min(ends)
                     reasoning += self._held[:end]
-                    self._held = self._held[end + len(self.end_tag) :]
-                    self._state = CLOSED
+                    if tag == self.end_tag:
+                        self._held = self._held[end + len(tag) :]
+                        self._state = CLOSED
+                    else:
+                        self._held = self._held[end:]
+                        self._state = AFTER
                     continue
-                keep = partial_tag_length(self._held, self.end_tag)
+                keep = max(partial_tag_length(self._held, tag)
+                           for tag in (self.end_tag, *self.implicit_ends))  # fmt: skip
                 reasoning += self._held[: len(self._held) - keep]
                 self._held = self._held[len(self._held) - keep :]
                 break
@@ -62,6 +83,25 @@ class ThinkSplitter:
         return "", held
 
 
+class KimiK2ThinkSplitter(ThinkSplitter):
+    """Kimi-K2-Thinking's answers: reasoning from the first token (a `<think>` there is
+    dropped) until `</think>`, or until a tool-call section starts, which the tool-call parser
+    then reads; everything is content when the request turned thinking off."""
+
+    starts_inside = True
+    implicit_ends = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+
+    def __init__(self, thinking: bool = True) -> None:
+        super().__init__()
+        if not thinking:
+            self._state = AFTER
+
+    @classmethod
+    def for_request(cls, chat_template_kwargs: dict[str, Any]) -> ThinkSplitter:
+        # The chat template's switch, on unless a request turns it off (as vLLM reads it).
+        return cls(thinking=bool(chat_template_kwargs.get("thinking", True)))
+
+
 def partial_tag_length(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`: text to hold
     back while streaming, since the next delta may complete the tag."""
@@ -71,4 +111,4 @@ def partial_tag_length(text: str, tag: str) -> int:
     return 0
 
 
-REASONING_PARSERS = {"qwen3": ThinkSplitter}
+REASONING_PARSERS = {"qwen3": ThinkSplitter, "kimi_k2": KimiK2ThinkSplitter}

@@ -5,16 +5,21 @@ OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_ou
 `guided_regex`, `guided_choice`, `guided_grammar` all become one `StructuredOutput`; so do chat's
 `tool_choice` "required" and a named function, which vLLM enforces the same way: the model must
 write the named function's arguments as JSON, or a JSON array of `{"name", "parameters"}`
-calls of the offered tools, and the answer's JSON becomes its `tool_calls`.
+calls of the offered tools, and the answer's JSON becomes its `tool_calls` (or, where the
+tool-call parser has a grammar of its own format, as Kimi-K2's has, the calls as the model
+writes them unconstrained).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.server.errors import bad_request
+from pegainfer.server.tool_calls import ForcedToolCalls, ToolCallParser, parameters_schema
 
 
 def _json_schema(value: Any, field: str) -> StructuredOutput:
@@ -124,31 +129,23 @@ def check(field: str, output: StructuredOutput) -> None:
 
 
 def forced_tool_calls(
-    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True
-) -> tuple[StructuredOutput, str | None] | None:
-    """The constraint of tool_choice "required" (with None) or of a named function (with its
-    name); None for "auto" and "none". Not `parallel`: "required" allows exactly one call."""
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parallel: bool = True,
+    parser: type[ToolCallParser] | None = None,
+) -> tuple[StructuredOutput, Callable[[], ToolCallParser]] | None:
+    """The constraint of tool_choice "required" or of a named function, and the parser its
+    answer goes through; None for "auto" and "none". Not `parallel`: "required" allows exactly
+    one call. A tool-call `parser` with a grammar of its own format (Kimi-K2's) makes the model
+    write the calls as it would unconstrained; otherwise they are JSON, as vLLM has them:
+    the named function's arguments, or an array of `{"name", "parameters"}` calls."""
     if tool_choice in (None, "auto", "none"):
         return None
     if not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if tool_choice == "required":
-        # Each tool's parameters move to $defs and are referred to from there, their own local
-        # $refs ($defs of nested models, "#" for recursion) rebased so that they still resolve.
-        defs, calls = {}, []
-        for i, (name, function) in enumerate(functions.items()):
-            try:
-                defs[f"tool{i}"] = _rebased(_parameters(function), f"#/$defs/tool{i}")
-            except RecursionError:
-                raise bad_request(f"tools[{i}] parameters nest too deeply", "tools") from None
-            calls.append({"type": "object", "properties": {
-                "name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
-                "required": ["name", "parameters"], "additionalProperties": False})  # fmt: skip
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
-        if not parallel:
-            schema["maxItems"] = 1
-        output, forced = StructuredOutput.json_schema(schema), None
+        name = None
     elif (
         isinstance(tool_choice, dict)
         and tool_choice.get("type") == "function"
@@ -158,20 +155,42 @@ def forced_tool_calls(
         if name not in functions:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools",
                               "tool_choice")  # fmt: skip
-        output, forced = StructuredOutput.json_schema(_parameters(functions[name])), name
     else:
         raise bad_request(
             'tool_choice must be "none", "auto", "required" or '
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
+    native = parser.forced_output(functions, name, parallel) if parser is not None else None
+    if native is not None:
+        check("tool_choice", native)
+        return native, parser
+    output = (
+        _required_calls(functions, parallel)
+        if name is None
+        else StructuredOutput.json_schema(parameters_schema(functions[name]))
+    )
     check("tool_choice", output)
-    return output, forced
+    return output, partial(ForcedToolCalls, name)
 
 
-def _parameters(function: dict[str, Any]) -> dict[str, Any]:
-    parameters = function.get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+def _required_calls(functions: dict[str, dict[str, Any]], parallel: bool) -> StructuredOutput:
+    """A JSON array of calls of `functions` (exactly one unless `parallel`)."""
+    # Each tool's parameters move to $defs and are referred to from there, their own local
+    # $refs ($defs of nested models, "#" for recursion) rebased so that they still resolve.
+    defs, calls = {}, []
+    for i, (name, function) in enumerate(functions.items()):
+        try:
+            defs[f"tool{i}"] = _rebased(parameters_schema(function), f"#/$defs/tool{i}")
+        except RecursionError:
+            raise bad_request(f"tools[{i}] parameters nest too deeply", "tools") from None
+        calls.append({"type": "object", "properties": {
+            "name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
+            "required": ["name", "parameters"], "additionalProperties": False})  # fmt: skip
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutput.json_schema(schema)
 
 
 def _rebased(schema: Any, base: str) -> Any:

@@ -3,7 +3,9 @@
 Qwen models write each call between `<tool_call>` and `</tool_call>`; text outside the tags
 is content. Inside, Qwen3 (hermes style) writes a JSON object `{"name": ..., "arguments":
 {...}}`; Qwen3.5 and Qwen3-Coder write XML, `<function=NAME>` holding one
-`<parameter=KEY>VALUE</parameter>` per argument. Streamed, a hermes call goes out as its
+`<parameter=KEY>VALUE</parameter>` per argument. Kimi-K2 writes its calls in special tokens,
+a section of `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}
+<|tool_call_end|>` (see `KimiK2ToolCalls`). Streamed, a hermes or Kimi call goes out as its
 arguments arrive (as vLLM's parsers send them: a first piece with the call's id and name, then
 pieces of its arguments' JSON); other calls go out whole once their closing tag arrives. Text
 that might be the start of a tag is held back. A body that does not parse (and has not started
@@ -17,7 +19,9 @@ import re
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
+from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.server.reasoning import partial_tag_length
 
 
@@ -53,9 +57,35 @@ def whole_calls(pieces: list[ToolCall]) -> list[ToolCall]:
     return calls
 
 
-class TaggedToolCalls(ABC):
-    """Splits one answer into content and tool calls as its text arrives; subclasses parse a
-    call's body."""
+class ToolCallParser(ABC):
+    """Splits one answer into content and tool calls as its text arrives."""
+
+    #: The calls are written in special tokens, which the answer's text must then keep
+    #: (requests with tools decode with skip_special_tokens off, as vLLM's kimi_k2 parser asks).
+    needs_special_tokens: ClassVar[bool] = False
+
+    @abstractmethod
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The content and the calls (or, streamed, pieces of calls) this text settles."""
+
+    @abstractmethod
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What is held back when the answer ends."""
+
+    @classmethod
+    def forced_output(
+        cls, functions: dict[str, dict[str, Any]], name: str | None, parallel: bool
+    ) -> StructuredOutput | None:
+        """The grammar of tool_choice "required" (`name` None: calls of any of `functions`, one
+        unless `parallel`) or of the named function, in this parser's own format: the answer
+        then goes through this parser. None: the model writes the calls as JSON instead
+        (vLLM's way), which `ForcedToolCalls` reads."""
+        return None
+
+
+class TaggedToolCalls(ToolCallParser):
+    """Splits one answer into content and tool calls between tags; subclasses parse a call's
+    body."""
 
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
@@ -67,7 +97,6 @@ class TaggedToolCalls(ABC):
         self._streaming = False  # the current call has started going out in pieces
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content and the calls (or, streamed, pieces of calls) this text settles."""
         self._held += text
         content, calls = "", []
         while self._held:
@@ -213,7 +242,163 @@ class Qwen3XmlToolCalls(TaggedToolCalls):
         return _call(function.group(1).strip(), json.dumps(arguments, ensure_ascii=False))
 
 
-class ForcedToolCalls:
+# Kimi-K2's markers, each one special token. The section's singular spelling is a slip the
+# model makes that vLLM accepts too.
+_SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+_SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+_CALL_BEGIN = "<|tool_call_begin|>"
+_ARGUMENTS_BEGIN = "<|tool_call_argument_begin|>"
+_CALL_END = "<|tool_call_end|>"
+# A call's header: its id, `functions.NAME:IDX` (the `functions.` prefix optional).
+_KIMI_HEADER = re.compile(r"\s*([^<\s]+:\d+)\s*")
+_TEXT, _SECTION, _HEADER, _ARGUMENTS, _NOT_A_CALL = range(5)
+
+
+class KimiK2ToolCalls(ToolCallParser):
+    """Kimi-K2's calls: after any text, `<|tool_calls_section_begin|>`, then per call
+    `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>`,
+    then `<|tool_calls_section_end|>`. A call's id is its header, as vLLM's kimi_k2 parser
+    gives it (the chat template writes it back in the history); its arguments stream as they
+    arrive, without the whitespace around them. Text inside the section but outside the calls
+    is dropped (vLLM sends nothing after the section starts); text after it is content again.
+    A call whose header is not `NAME:IDX` stays text, markers and all.
+    """
+
+    needs_special_tokens = True
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._state = _TEXT
+        self._calls = 0  # calls this answer has made (the index of the next one)
+        self._arguments_sent = False  # the current call's arguments have started going out
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._held += text
+        content, calls = "", []
+        while self._held:
+            if self._state == _TEXT:
+                at, marker = _first(self._held, _SECTION_BEGIN)
+                if marker is None:
+                    content += self._take(len(self._held) - _partial(self._held, _SECTION_BEGIN))
+                    break
+                content += self._take(at)
+                self._take(len(marker))
+                self._state = _SECTION
+            elif self._state == _SECTION:
+                at, marker = _first(self._held, (_CALL_BEGIN, *_SECTION_END))
+                if marker is None:
+                    self._take(len(self._held) - _partial(self._held, (_CALL_BEGIN, *_SECTION_END)))
+                    break
+                self._take(at + len(marker))
+                self._state = _HEADER if marker == _CALL_BEGIN else _TEXT
+            elif self._state == _HEADER:
+                at, marker = _first(self._held, (_ARGUMENTS_BEGIN, _CALL_END, _CALL_BEGIN,
+                                                 *_SECTION_END))  # fmt: skip
+                if marker is None:
+                    break  # a header is a few tokens: wait for its end
+                header = _KIMI_HEADER.fullmatch(self._held[:at])
+                if marker != _ARGUMENTS_BEGIN or header is None:
+                    content += _CALL_BEGIN  # not a call: its text is content, as written
+                    self._state = _NOT_A_CALL
+                    continue
+                self._take(at + len(marker))
+                call_id = header.group(1)
+                name = call_id.rsplit(":", 1)[0].rsplit(".", 1)[-1]
+                calls.append(ToolCall(call_id, name, "", self._calls))
+                self._state, self._arguments_sent = _ARGUMENTS, False
+            elif self._state == _ARGUMENTS:
+                ends = (_CALL_END, _CALL_BEGIN, *_SECTION_END)
+                at, marker = _first(self._held, ends)
+                end = at if marker is not None else len(self._held) - _partial(self._held, ends)
+                calls += self._arguments(end, done=marker is not None)
+                if marker is None:
+                    break
+                if marker == _CALL_END:  # a call the model did not end is cut short
+                    self._take(len(marker))
+                self._calls += 1
+                self._state = _SECTION
+            else:  # _NOT_A_CALL: up to and including its end marker, if it has one
+                at, marker = _first(self._held, (_CALL_END, _CALL_BEGIN, *_SECTION_END))
+                if marker is None:
+                    break
+                content += self._take(at + len(marker) if marker == _CALL_END else at)
+                self._state = _SECTION
+        return content, calls
+
+    def _take(self, length: int) -> str:
+        taken, self._held = self._held[:length], self._held[length:]
+        return taken
+
+    def _arguments(self, end: int, done: bool) -> list[ToolCall]:
+        """The current call's arguments in `_held[:end]` that can go out: without leading
+        whitespace, and with trailing whitespace held back until more follows (dropped at the
+        call's end)."""
+        if not self._arguments_sent:
+            stripped = self._held[:end].lstrip()
+            self._take(end - len(stripped))
+            end = len(stripped)
+        ready = self._held[:end].rstrip()
+        self._take(end if done else len(ready))
+        if not ready:
+            return []
+        self._arguments_sent = True
+        return [ToolCall(None, None, ready, self._calls)]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """An answer that ends inside a call: a call that went out stays cut short (its
+        arguments as written so far), a header that never finished stays text."""
+        content, calls = "", []
+        if self._state == _ARGUMENTS:
+            calls = self._arguments(len(self._held), done=True)
+        elif self._state == _HEADER:
+            content = _CALL_BEGIN + self._held
+        elif self._state in (_TEXT, _NOT_A_CALL):
+            content = self._held
+        self._held, self._state = "", _TEXT
+        return content, calls
+
+    @classmethod
+    def forced_output(
+        cls, functions: dict[str, dict[str, Any]], name: str | None, parallel: bool
+    ) -> StructuredOutput:
+        """A Lark grammar of one section of calls in Kimi's tokens, each function's
+        arguments held to its parameters' JSON schema."""
+        names = [name] if name is not None else list(functions)
+        rules = []
+        for i, function in enumerate(names):
+            header = json.dumps(f"functions.{function}:")
+            schema = json.dumps(parameters_schema(functions[function]))
+            rules.append(f"call{i}: {_CALL_BEGIN} {header} INDEX {_ARGUMENTS_BEGIN} "
+                         f"args{i} {_CALL_END}\nargs{i}: %json {schema}")  # fmt: skip
+        calls = " | ".join(f"call{i}" for i in range(len(names)))
+        repeat = "+" if parallel and name is None else ""
+        grammar = "\n".join([
+            f"start: {_SECTION_BEGIN[0]} call{repeat} {_SECTION_END[0]}",
+            f"call: {calls}",
+            *rules,
+            "INDEX: /[0-9]+/",
+        ])  # fmt: skip
+        return StructuredOutput(kind="grammar", spec=grammar)
+
+
+def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
+    """Where the first of `markers` starts in `text`, and which one (-1 and None: none)."""
+    found = [(at, marker) for marker in markers if (at := text.find(marker)) >= 0]
+    return min(found) if found else (-1, None)
+
+
+def _partial(text: str, markers: tuple[str, ...]) -> int:
+    """How much of `text`'s end may be the start of one of `markers` (to hold back)."""
+    return max(partial_tag_length(text, marker) for marker in markers)
+
+
+def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters schema (any object when it gives none)."""
+    parameters = function.get("parameters")
+    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+
+
+class ForcedToolCalls(ToolCallParser):
     """The answer to tool_choice "required" (a JSON array of `{"name", "parameters"}`) or a
     named function (its arguments as JSON), which constrained decoding made the model write:
     held back until the answer ends, then read as calls. Text that does not read as calls (an
@@ -248,4 +433,8 @@ def _call(name: str, arguments: str, index: int | None = None) -> ToolCall:
     return ToolCall(f"call_{secrets.token_hex(12)}", name, arguments, index)
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "qwen3_xml": Qwen3XmlToolCalls}
+TOOL_CALL_PARSERS = {
+    "hermes": HermesToolCalls,
+    "qwen3_xml": Qwen3XmlToolCalls,
+    "kimi_k2": KimiK2ToolCalls,
+}
