@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -134,3 +136,16 @@ def listen_backlog(url: str) -> int:
     fields = out.stdout.split()
     assert fields and fields[0] == "LISTEN", out.stdout
     return int(fields[2])
+
+
+def install_scripted_line(plugin_dir: Path) -> dict[str, str]:
+    """Install the test-only scripted line (`scripted_line.py`) in `plugin_dir` as a third party
+    would, a module and an entry point; returns the environment a server finds it in."""
+    plugin_dir.mkdir(parents=True)
+    shutil.copy(Path(__file__).parent / "scripted_line.py", plugin_dir / "scripted_line.py")
+    dist_info = plugin_dir / "pegainfer_scripted-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: pegainfer-scripted\n"
+                                        "Version: 0.1\n")  # fmt: skip
+    (dist_info / "entry_points.txt").write_text("[pegainfer]\nscripted = scripted_line\n")
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin_dir), os.getcwd()])}

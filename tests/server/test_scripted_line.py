@@ -5,9 +5,6 @@ tool-call round trip, the reasoning split, and n = 3 seeded choices, streamed an
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from pathlib import Path
 
 import httpx
 import openai
@@ -15,7 +12,7 @@ import pytest
 
 from pegainfer.models.qwen3.tiny import write_tiny_qwen3
 from tests.server.conftest import start_server, stop_server
-from tests.server.helpers import sse_payloads
+from tests.server.helpers import install_scripted_line, sse_payloads
 
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 SCRIPTS = [
@@ -32,21 +29,13 @@ TOOLS = [{"type": "function", "function": {
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     root = tmp_path_factory.mktemp("scripted")
-    plugin = root / "plugin"
-    plugin.mkdir()
-    shutil.copy(Path(__file__).parent / "scripted_line.py", plugin / "scripted_line.py")
-    dist_info = plugin / "pegainfer_scripted-0.1.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: pegainfer-scripted\n"
-                                        "Version: 0.1\n")  # fmt: skip
-    (dist_info / "entry_points.txt").write_text("[pegainfer]\nscripted = scripted_line\n")
+    env = install_scripted_line(root / "plugin")
     model = root / "model"
     write_tiny_qwen3(model)  # its tokenizer, chat template and generation config
     config = json.loads((model / "config.json").read_text())
     scripted_config = {"model_type": "scripted", "vocab_size": config["vocab_size"],
                        "eos_token_id": config["eos_token_id"], "scripts": SCRIPTS}  # fmt: skip
     (model / "config.json").write_text(json.dumps(scripted_config))
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(plugin), os.getcwd()])}
     server = start_server(model, root / "server.log", "--max-model-len", "2048", env=env)
     yield server, openai.OpenAI(base_url=server.base_url, api_key="none")
     stop_server(server)
