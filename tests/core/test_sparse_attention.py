@@ -5,11 +5,16 @@ selected) as dense."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from pegainfer.core.attention.latent import LatentShape
-from pegainfer.core.attention.sparse import IndexerShape, make_sparse_latent_attention
+from pegainfer.core.attention.sparse import (
+    IndexerShape,
+    make_sparse_latent_attention,
+    packed_places,
+)
 from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops import sparse_attention
 from pegainfer.core.runner.forward_batch import ForwardBatch
@@ -159,3 +164,13 @@ def test_a_longer_step_attends_each_rows_selection(top_k):
         q = torch.cat((q_nope[t], q_pe[t]), -1)
         probs = (torch.einsum("hd,hsd->hs", q, k) * s.scale).softmax(-1)
         torch.testing.assert_close(out[t], torch.einsum("hs,hsv->hv", probs, v))
+
+
+def test_packed_places_list_each_rows_valid_slots_in_order():
+    """FlashInfer reads each row's valid selected slots packed: their places in the
+    [rows, top_k] selection, and the packed offsets; the buffer's tail is zeroed."""
+    counts = np.array([3, 1, 0, 4], dtype=np.int32)
+    out = torch.full((20,), -1, dtype=torch.int64)
+    indptr = packed_places(counts, torch.from_numpy(counts), 4, out)
+    assert indptr.tolist() == [0, 3, 4, 4, 8]
+    assert out.tolist() == [0, 1, 2, 4, 12, 13, 14, 15] + [0] * 12

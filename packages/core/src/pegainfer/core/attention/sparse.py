@@ -149,6 +149,28 @@ def rows_per_plan(num_heads: int, num_sms: int) -> int:
     return low
 
 
+def packed_places(
+    counts: np.ndarray, device_counts: torch.Tensor, top_k: int, out: torch.Tensor
+) -> np.ndarray:
+    """Where each row's valid slots sit in a [rows, top_k] selection, rows packed one after
+    another (row i's j-th slot: i * top_k + j), into `out` on `device_counts`' device, zero
+    past them; returns the packed rows' offsets (kv_indptr, host). Built on the device: a
+    step has rows × top_k places and only its rows' counts cross from the host."""
+    rows = len(counts)
+    kv_indptr = np.zeros(rows + 1, dtype=np.int32)
+    np.cumsum(counts, out=kv_indptr[1:])
+    total = int(kv_indptr[-1])
+    shift = np.arange(rows, dtype=np.int64) * top_k - kv_indptr[:-1]
+    torch.add(
+        torch.arange(total, device=out.device),
+        torch.repeat_interleave(to_device_array(shift, out.device), device_counts.long(),
+                                output_size=total),
+        out=out[:total],
+    )  # fmt: skip
+    out[total:].zero_()
+    return kv_indptr
+
+
 @dataclass
 class _Planned:
     """One FlashInfer plan over rows [start, end): the slots it reads (packed, one row's after
@@ -197,31 +219,32 @@ class FlashInferSparseLatent(SparseLatentBackend):
                 f"FlashInfer's MLA planner ({self.rows_per_plan} rows): lower --max-num-seqs"
             )
         i32 = {"dtype": torch.int32, "device": device}
-        self._graph_indices = torch.zeros(largest * top_k, **i32)
-        self._graph_gather = torch.zeros(largest * top_k, dtype=torch.int64, device=device)
+        indices = torch.zeros(largest * top_k, **i32)
+        gather = torch.zeros(largest * top_k, dtype=torch.int64, device=device)
         qo_indptr, kv_indptr = torch.zeros(largest + 1, **i32), torch.zeros(largest + 1, **i32)
         kv_lens = torch.zeros(largest, **i32)
-        self._graph = {
-            bucket: (BatchMLAPagedAttentionWrapper(
+        self._graph: dict[int, _Planned] = {}
+        for bucket in graph_buckets:
+            # The wrapper's index buffer is the very tensor each plan passes (copying it onto
+            # itself is skipped) and `run` gathers the selection into.
+            width = bucket * top_k
+            kv_indices = indices[:width]
+            wrapper = BatchMLAPagedAttentionWrapper(
                 workspace, use_cuda_graph=True, qo_indptr=qo_indptr[: bucket + 1],
-                kv_indptr=kv_indptr[: bucket + 1], kv_indices=self._graph_indices[: bucket * top_k],
+                kv_indptr=kv_indptr[: bucket + 1], kv_indices=kv_indices,
                 kv_len_arr=kv_lens[:bucket], backend=backend,
-            ), PlanStaging())
-            for bucket in graph_buckets
-        }  # fmt: skip
+            )  # fmt: skip
+            self._graph[bucket] = _Planned(wrapper, PlanStaging(), 0, bucket, kv_indices,
+                                           gather[:width])  # fmt: skip
         self._planned: list[_Planned] = []
 
-    def _plan_rows(self, planned: _Planned, counts: np.ndarray, top_k: int) -> None:
-        """Plan rows with `counts` valid slots each; fill `gather` (the packed slots' places in
-        a [rows, top_k] selection) from the host."""
+    def _plan_rows(self, planned: _Planned, counts: np.ndarray, device_counts: torch.Tensor,
+                   top_k: int) -> None:  # fmt: skip
+        """Plan rows with `counts` valid slots each (`device_counts` on the device); fill
+        `gather` with the packed slots' places in a [rows, top_k] selection, on the device
+        (a step has rows × top_k of them), zero past them."""
         rows = len(counts)
-        kv_indptr = np.zeros(rows + 1, dtype=np.int32)
-        np.cumsum(counts, out=kv_indptr[1:])
-        total = int(kv_indptr[-1])
-        places = np.arange(total, dtype=np.int64) + np.repeat(
-            np.arange(rows, dtype=np.int64) * top_k - kv_indptr[:-1], counts
-        )
-        planned.gather[:total].copy_(to_device_array(places, self.device))
+        kv_indptr = packed_places(counts, device_counts, top_k, planned.gather)
         s = self.shape
         with planned.staging:
             planned.wrapper.plan(
@@ -247,15 +270,12 @@ class FlashInferSparseLatent(SparseLatentBackend):
                 torch.empty(total, dtype=torch.int32, device=self.device),
                 torch.empty(total, dtype=torch.int64, device=self.device),
             )  # fmt: skip
-            self._plan_rows(planned, counts, step.top_k)
+            self._plan_rows(planned, counts, step.counts[start:end], step.top_k)
             self._planned.append(planned)
 
     def plan_graph(self, step: SparseStep, bucket: int) -> None:
-        width = bucket * step.top_k
-        planned = _Planned(*self._graph[bucket], 0, bucket, self._graph_indices[:width],
-                           self._graph_gather[:width])  # fmt: skip
-        planned.gather.zero_()  # slots past the valid ones are gathered too (never read)
-        self._plan_rows(planned, step.counts_cpu, step.top_k)
+        planned = self._graph[bucket]
+        self._plan_rows(planned, step.counts_cpu, step.counts, step.top_k)
         self._planned = [planned]
 
     def run(self, q_latent, q_pe, ckv_layer, kpe_layer, slots) -> torch.Tensor:
