@@ -17,6 +17,7 @@ from pegainfer.core.attention.sparse import (
     SparseStep,
     TorchSparseLatent,
     make_sparse_latent_attention,
+    reference_scores,
 )
 from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops import sparse_attention
@@ -55,13 +56,15 @@ def step(starts: list[int], chunks: list[int], block: int, g: torch.Generator):
 
 
 def indexer_rows(batch: ForwardBatch, pages: int):
-    """block tables [sequences, pages] int32, each row's sequence, visible keys."""
+    """block tables [sequences, pages] int32, each row's sequence, visible keys, and each
+    sequence's first row."""
     tables = torch.zeros(batch.num_seqs, pages, dtype=torch.int32)
     for i, t in enumerate(batch.block_tables_cpu):
         tables[i, : len(t)] = torch.tensor(t[:pages], dtype=torch.int32)
     seq_of_row = torch.repeat_interleave(torch.arange(batch.num_seqs),
                                          torch.tensor(batch.query_lens_cpu))  # fmt: skip
-    return tables.cuda(), seq_of_row.int().cuda(), batch.positions + 1
+    starts = batch.query_start_loc_cpu[:-1].cuda()
+    return tables.cuda(), seq_of_row.int().cuda(), batch.positions + 1, starts
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -81,10 +84,15 @@ def test_triton_indexer_scores_equal_the_reference(dtype, heads, dim, starts, ch
     q = torch.randn(rows, heads, dim, device="cuda", generator=g).to(dtype)
     w = torch.randn(rows, heads, device="cuda", generator=g) * heads**-0.5
     pages = max(len(t) for t in batch.block_tables_cpu)
-    tables, seq_of_row, visible = indexer_rows(batch, pages)
+    tables, seq_of_row, visible, starts = indexer_rows(batch, pages)
     columns = max(batch.seq_lens_cpu) + 100  # wider than every row: a graph's fixed width
     args = (q, w, k_layer, tables, seq_of_row, visible, columns, dim**-0.5)
-    ours, ref = indexer_scores(*args), sparse_attention.indexer_scores(*args)
+    ours, ref = indexer_scores(*args, starts), sparse_attention.indexer_scores(*args)
+    # A slice of the rows (from mid-tile to mid-tile), as a step scores its rows in chunks.
+    part = slice(rows // 3, rows - rows // 4)
+    sliced = indexer_scores(q[part], w[part], k_layer, tables, seq_of_row[part], visible[part],
+                            columns, dim**-0.5, starts, part.start)  # fmt: skip
+    torch.testing.assert_close(sliced, ours[part], rtol=1e-6, atol=1e-6)
     assert torch.equal(torch.isneginf(ours), torch.isneginf(ref))
     seen = ~torch.isneginf(ref)
     tol = 1e-5 if dtype == torch.float32 else 1e-3
@@ -122,6 +130,7 @@ def sparse_step(slots, counts) -> SparseStep:
     return SparseStep(
         positions=torch.zeros(rows, dtype=torch.int64, device="cuda"),
         seq_of_row=torch.arange(rows, dtype=torch.int32, device="cuda"),
+        seq_starts=torch.arange(rows, dtype=torch.int32, device="cuda"),
         block_tables=torch.zeros(rows, 1, dtype=torch.int32, device="cuda"),
         block_size=1, columns=0, top_k=slots.shape[1], counts=counts.cuda(),
         counts_cpu=counts.numpy(),
@@ -178,9 +187,8 @@ def glm_step_inputs(batch: ForwardBatch, num_blocks: int, block: int, g: torch.G
 def reference_attention(runtime: RuntimeConfig) -> SparseLatentAttention:
     """The torch references on CUDA tensors (what the CPU path runs)."""
     dense = make_latent_attention(GLM, torch.bfloat16, torch.device("cpu"), runtime)
-    return SparseLatentAttention(INDEX, dense, TorchSparseLatent(GLM),
-                                 sparse_attention.indexer_scores, runtime,
-                                 torch.device("cuda"))  # fmt: skip
+    return SparseLatentAttention(INDEX, dense, TorchSparseLatent(GLM), reference_scores,
+                                 runtime, torch.device("cuda"))  # fmt: skip
 
 
 @pytest.mark.parametrize(("starts", "chunks"), [

@@ -47,8 +47,6 @@ from pegainfer.core.runner.forward_batch import ForwardBatch, to_device_array
 # step's rows are scored in chunks of at most this many entries.
 _SCORE_ENTRIES = 1 << 27
 
-Scores = Callable[..., torch.Tensor]
-
 
 @dataclass(frozen=True)
 class IndexerShape:
@@ -67,12 +65,42 @@ class SparseStep:
 
     positions: torch.Tensor  # [rows] on the device: row t sees positions[t] + 1 keys
     seq_of_row: torch.Tensor  # [rows] int32 on the device
+    seq_starts: torch.Tensor  # [sequences] int32 on the device: each one's first row
     block_tables: torch.Tensor  # [sequences, pages] int32 on the device
     block_size: int
     columns: int  # scores per row: the step's longest sequence (a graph: max_model_len)
     top_k: int  # selected slots per row (valid ones: `counts`)
     counts: torch.Tensor  # [rows] int32 on the device
     counts_cpu: np.ndarray  # [rows] int32
+
+
+# One layer's scores for rows `rows` of a step: (q, weights, k_layer, step, rows, scale).
+Scores = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SparseStep, slice, float],
+                  torch.Tensor]  # fmt: skip
+
+
+def reference_scores(
+    q: torch.Tensor, weights: torch.Tensor, k_layer: torch.Tensor, step: SparseStep,
+    rows: slice, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """`ops.sparse_attention.indexer_scores` for rows `rows` of the step."""
+    return sparse_attention.indexer_scores(
+        q[rows], weights[rows], k_layer, step.block_tables, step.seq_of_row[rows],
+        step.positions[rows] + 1, step.columns, scale,
+    )  # fmt: skip
+
+
+def kernel_scores(
+    q: torch.Tensor, weights: torch.Tensor, k_layer: torch.Tensor, step: SparseStep,
+    rows: slice, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """The Triton kernel (`kernels.indexer`) for rows `rows` of the step."""
+    from pegainfer.core.kernels.indexer import indexer_scores
+
+    return indexer_scores(
+        q[rows], weights[rows], k_layer, step.block_tables, step.seq_of_row[rows],
+        step.positions[rows] + 1, step.columns, scale, step.seq_starts, rows.start,
+    )  # fmt: skip
 
 
 def _step_counts(batch: ForwardBatch, top_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -340,14 +368,15 @@ class SparseLatentAttention:
         seq_of_row, counts = _step_counts(batch, self.indexer.top_k)
         bs = batch.block_size
         tables = _padded_tables(batch, -(-columns // bs))
-        host = np.concatenate([seq_of_row, counts, tables.reshape(-1)])
+        starts = batch.query_start_loc_cpu[:-1].numpy()
+        host = np.concatenate([seq_of_row, starts, counts, tables.reshape(-1)])
         device = to_device_array(host, self.device).split(
-            [len(seq_of_row), len(counts), tables.size]
+            [len(seq_of_row), len(starts), len(counts), tables.size]
         )
         self._step = SparseStep(
-            positions=batch.positions, seq_of_row=device[0], block_tables=device[2].view(
-                tables.shape), block_size=bs, columns=columns, top_k=self.indexer.top_k,
-            counts=device[1], counts_cpu=counts,
+            positions=batch.positions, seq_of_row=device[0], seq_starts=device[1],
+            block_tables=device[3].view(tables.shape), block_size=bs, columns=columns,
+            top_k=self.indexer.top_k, counts=device[2], counts_cpu=counts,
         )  # fmt: skip
         self.sparse.plan(self._step)
 
@@ -364,9 +393,9 @@ class SparseLatentAttention:
         self._graph_counts[:bucket].copy_(to_device_array(counts, self.device))
         self._step = SparseStep(
             positions=batch.positions, seq_of_row=self._graph_rows[:bucket],
-            block_tables=self._graph_tables[:bucket], block_size=batch.block_size,
-            columns=self.max_model_len, top_k=top_k, counts=self._graph_counts[:bucket],
-            counts_cpu=counts,
+            seq_starts=self._graph_rows[:bucket], block_tables=self._graph_tables[:bucket],
+            block_size=batch.block_size, columns=self.max_model_len, top_k=top_k,
+            counts=self._graph_counts[:bucket], counts_cpu=counts,
         )  # fmt: skip
         self.sparse.plan_graph(self._step, bucket)
 
@@ -380,16 +409,12 @@ class SparseLatentAttention:
         step = self._step
         if step is None:
             return None
-        visible = step.positions + 1
         rows = q.shape[0]
         chunk = max(1, _SCORE_ENTRIES // step.columns)
         parts = []
         for start in range(0, rows, chunk):
             part = slice(start, min(start + chunk, rows))
-            scores = self.scores(
-                q[part], weights[part], k_layer, step.block_tables, step.seq_of_row[part],
-                visible[part], step.columns, self.indexer.scale,
-            )  # fmt: skip
+            scores = self.scores(q, weights, k_layer, step, part, self.indexer.scale)
             parts.append(sparse_attention.top_k_slots(
                 scores, step.top_k, step.block_tables, step.seq_of_row[part], step.block_size
             ))  # fmt: skip
@@ -429,15 +454,13 @@ def make_sparse_latent_attention(
     torch references otherwise."""
     dense = make_latent_attention(shape, dtype, device, runtime)
     if device.type == "cuda" and shape.flashinfer_supported:
-        from pegainfer.core.kernels.indexer import indexer_scores
-
         workspace = dense.absorbed.workspace
         rows = max(runtime.max_num_batched_tokens, max(runtime.graph_buckets, default=0))
         top_k = min(indexer.top_k, runtime.max_model_len)
         sparse: SparseLatentBackend = FlashInferSparseLatent(
             shape, dtype, device, workspace, rows, runtime.graph_buckets, top_k
         )
-        scores: Scores = indexer_scores
+        scores: Scores = kernel_scores
     else:
-        sparse, scores = TorchSparseLatent(shape), sparse_attention.indexer_scores
+        sparse, scores = TorchSparseLatent(shape), reference_scores
     return SparseLatentAttention(indexer, dense, sparse, scores, runtime, device)
