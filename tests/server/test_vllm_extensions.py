@@ -1,13 +1,16 @@
 """vLLM's request extensions that change the output: prompt truncation, token ids in the
-response, logprobs' tokens as ids."""
+response, logprobs' tokens as ids, a completion prompt's special tokens."""
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import httpx
 import pytest
+from tokenizers import Tokenizer, processors
 
+from tests.server.conftest import start_server, stop_server
 from tests.server.helpers import MESSAGES, PROMPT, assert_error, sse_payloads, tokenize
 
 COMPLETIONS = "/v1/completions"
@@ -198,3 +201,31 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(server, path):
     assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n
                for c, n in zip(chunks, counts, strict=True))  # fmt: skip
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5
+
+
+@pytest.fixture(scope="module")
+def bos_server(tiny_model, tmp_path_factory):
+    """A server on a copy of the tiny checkpoint whose tokenizer starts every prompt with a
+    BOS (as Llama's and DeepSeek's do; Qwen's adds nothing)."""
+    model = tmp_path_factory.mktemp("bos-model")
+    shutil.copytree(tiny_model, model, dirs_exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    bos = "<|endoftext|>"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+    )
+    tokenizer.save(str(model / "tokenizer.json"))
+    log = tmp_path_factory.mktemp("bos-log") / "server.log"
+    running = start_server(model, log, "--max-model-len", "512")
+    yield running, tokenizer.token_to_id(bos)
+    stop_server(running)
+
+
+def test_add_special_tokens_decides_whether_a_completion_prompt_gets_a_bos(bos_server):
+    server, bos = bos_server
+    body = {"prompt": PROMPT, "max_tokens": 1, "return_token_ids": True}
+    default = post(server, COMPLETIONS, body)["choices"][0]["prompt_token_ids"]
+    without = post(server, COMPLETIONS, body | {"add_special_tokens": False})
+    without_ids = without["choices"][0]["prompt_token_ids"]
+    assert default[0] == bos and default[1:] == without_ids and bos not in without_ids
+    assert without["usage"]["prompt_tokens"] == len(default) - 1

@@ -165,7 +165,7 @@ class Chat:
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param or "messages") from exc
         # The length bound applies to the rendered text: a template may leave content out.
-        prompt_ids = truncated(self.client, encode_text(self.client, text, body, False), body)
+        prompt_ids = truncated(self.client, encode_text(self.client, text, body), body)
         rid = request_id("chatcmpl")
         requests = [
             (engine_request(self.client, f"{rid}-{i}", prompt_ids, p, body), None)

@@ -160,19 +160,19 @@ def engine_request(
     return request
 
 
-def encode_text(
-    client: AsyncEngineClient, text: str, body: Any, add_special_tokens: bool = True
-) -> list[int]:
-    """A prompt's text as tokens. Unless the request truncates its prompt, one that cannot fit
-    the context is refused before it is tokenized, by a lower bound on its tokens from its
-    length (`Tokenizer.min_tokens`): a 10 MB prompt costs microseconds, not seconds."""
+def encode_text(client: AsyncEngineClient, text: str, body: Any) -> list[int]:
+    """A prompt's text as tokens, with the tokenizer's special tokens where the request's
+    `add_special_tokens` asks (chat's is always false: its template writes them, and true is
+    refused). Unless the request truncates its prompt, one that cannot fit the context is
+    refused before it is tokenized, by a lower bound on its tokens from its length
+    (`Tokenizer.min_tokens`): a 10 MB prompt costs microseconds, not seconds."""
     tokenizer = client.frontend.tokenizer
     if body.truncate_prompt_tokens is None:
         try:
             client.limits.check_prompt_length(tokenizer.min_tokens(text), at_least=True)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from exc
-    return tokenizer.encode(text, add_special_tokens)
+    return tokenizer.encode(text, body.add_special_tokens)
 
 
 def truncated(client: AsyncEngineClient, ids: list[int], body: Any) -> list[int]:

@@ -137,6 +137,8 @@ class CompletionRequest(_SamplingFields, kw_only=True, omit_defaults=True):
     prompt: str | list[Any]
     max_tokens: Int64 | None = 16
     echo: bool = False
+    # vLLM's: the tokenizer's post-processor adds its special tokens (a BOS) to text prompts.
+    add_special_tokens: bool = True
     suffix: str | None = None
     prompt_embeds: Any = None
 
