@@ -93,7 +93,6 @@ def test_the_engine_runs_flashinfer_mla_and_decode_graphs(small):
         FlashInferPagedLatentAttention,
         FlashInferRaggedAttention,
     )
-
     from pegainfer.models.kimi_k2.model import KimiK2ForCausalLM
 
     _, engine = small
