@@ -83,12 +83,11 @@ def small(tmp_path_factory):
 
 
 def test_the_engine_runs_sparse_attention_and_decode_graphs(small):
-    from pegainfer.core.attention.sparse import FlashInferSparseLatent
-    from pegainfer.core.kernels.indexer import indexer_scores
+    from pegainfer.core.attention.sparse import FlashInferSparseLatent, kernel_scores
 
     _, engine = small
     assert isinstance(engine.model.attn.sparse, FlashInferSparseLatent)
-    assert engine.model.attn.scores is indexer_scores
+    assert engine.model.attn.scores is kernel_scores
     assert set(engine.kv_cache.arenas) == {"ckv", "kpe", "index_k"}
     assert engine.kv_cache["index_k"].shape[0] == 3  # the full-indexer layers
     assert engine.runner.graphs is not None and 16 in engine.runner.graphs.buckets
