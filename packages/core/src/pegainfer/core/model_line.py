@@ -117,6 +117,10 @@ class Model(torch.nn.Module, ABC):
         sequence whose step starts at position 0 must not read what its slot held before."""
         return []
 
+    def after_loading(self) -> None:
+        """Put loaded weights in the form the forward reads (`build_and_load` calls it once,
+        before any memory is measured), e.g. MLA's quantized kv_b dequantized for absorption."""
+
     @abstractmethod
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         """Set up what steps need (attention backends, their graph buffers)."""

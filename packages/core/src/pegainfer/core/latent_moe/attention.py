@@ -2,14 +2,15 @@
 `q_a_proj`, its norm and `q_b_proj`) and `kv_a_proj_with_mqa` fused in one GEMM, the latent's
 norm and the rope rotation written to the cache (`latent_input`: one Triton kernel on CUDA),
 attention in core's absorbed or expanded form (`core.attention.latent`, given `kv_b_proj` per
-head), then `o_proj`. Under tensor parallelism a rank holds its share of the heads."""
+head), then `o_proj`. Under tensor parallelism a rank holds its share of the heads. A quantized
+checkpoint's projections are `QuantLinear`s (`core.quant`), but for `kv_b_proj`, which MLA
+reads per head (folded into queries and outputs) and which is dequantized once after loading."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.core.attention.latent import MultiHeadLatentAttention
@@ -19,6 +20,8 @@ from pegainfer.core.loading.weights import empty_param
 from pegainfer.core.ops.interleaved_rope import InterleavedRope
 from pegainfer.core.ops.latent_input import latent_input as latent_input_reference
 from pegainfer.core.ops.rms_norm import rms_norm
+from pegainfer.core.quant.linear import QuantLinear, linear, linear_weight
+from pegainfer.core.quant.scheme import QuantScheme
 from pegainfer.core.runner.forward_batch import ForwardBatch
 
 # transformers builds kv_a_layernorm (and q_a_layernorm) with its RMSNorm's default eps.
@@ -37,28 +40,50 @@ class LatentQueries:
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, cfg: LatentMoEConfig, group: parallel.ParallelGroup) -> None:
+    def __init__(
+        self,
+        cfg: LatentMoEConfig,
+        group: parallel.ParallelGroup,
+        index: int = 0,
+        scheme: QuantScheme | None = None,
+    ) -> None:
+        """Layer `index`'s attention; `scheme`: how the checkpoint stores its projections."""
         super().__init__()
         self.cfg = cfg
         self.group = group
         heads, h = cfg.num_heads, cfg.hidden_size
+
+        def fmt(*modules: str):
+            names = [f"model.layers.{index}.self_attn.{module}" for module in modules]
+            return scheme.common_format(names) if scheme is not None else None
+
         # The two projections of the layer input, one GEMM: q_proj's rows (q_a_proj's with
         # a q LoRA), then kv_a_proj_with_mqa's.
         self.q_rows = heads * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
-        self.q_kv_a_proj = empty_param(self.q_rows + cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
+        q_a = "q_proj" if cfg.q_lora_rank is None else "q_a_proj"
+        self.q_kv_a_proj = linear_weight(self.q_rows + cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                         h, fmt(q_a, "kv_a_proj_with_mqa"))  # fmt: skip
         if cfg.q_lora_rank is not None:
             self.q_a_layernorm = empty_param(cfg.q_lora_rank)
-            self.q_b_proj = empty_param(heads * cfg.qk_head_dim, cfg.q_lora_rank)
+            self.q_b_proj = linear_weight(heads * cfg.qk_head_dim, cfg.q_lora_rank,
+                                          fmt("q_b_proj"))  # fmt: skip
         self.kv_a_layernorm = empty_param(cfg.kv_lora_rank)
-        self.kv_b_proj = empty_param(
-            heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
-        )
-        self.o_proj = empty_param(h, heads * cfg.v_head_dim)
+        self.kv_b_proj = linear_weight(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                       cfg.kv_lora_rank, fmt("kv_b_proj"))  # fmt: skip
+        self.o_proj = linear_weight(h, heads * cfg.v_head_dim, fmt("o_proj"))
+
+    def after_loading(self) -> None:
+        """A quantized kv_b_proj, dequantized once to the model's dtype: attention reads it
+        per head (absorbed into queries and outputs, or expanding cached latents)."""
+        if isinstance(self.kv_b_proj, QuantLinear):
+            dense = self.kv_b_proj.dequantize(self.kv_a_layernorm.dtype)
+            self.kv_b_proj = nn.Parameter(dense, requires_grad=False)
 
     @property
     def kv_b(self) -> torch.Tensor:
         """kv_b_proj per head: [heads, nope + value, latent]."""
         cfg = self.cfg
+        assert isinstance(self.kv_b_proj, torch.Tensor), "after_loading() dequantizes kv_b"
         return self.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
 
     def queries(
@@ -72,13 +97,12 @@ class LatentAttention(nn.Module):
         """The step's queries from the layer input x [tokens, hidden]; writes the step's
         normalised latents and roped shared keys into the layer's caches."""
         cfg, tokens = self.cfg, x.shape[0]
-        q, kv_a = F.linear(x, self.q_kv_a_proj).split(
-            [self.q_rows, self.q_kv_a_proj.shape[0] - self.q_rows], dim=-1
-        )
+        q_kv_a = linear(x, self.q_kv_a_proj)
+        q, kv_a = q_kv_a.split([self.q_rows, q_kv_a.shape[-1] - self.q_rows], dim=-1)
         q_lora = None
         if cfg.q_lora_rank is not None:
             q_lora = rms_norm(q, self.q_a_layernorm, LATENT_NORM_EPS)
-            q = F.linear(q_lora, self.q_b_proj)
+            q = linear(q_lora, self.q_b_proj)
         if x.is_cuda:
             from pegainfer.core.kernels.latent_input import latent_input
         else:

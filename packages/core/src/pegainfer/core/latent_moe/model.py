@@ -22,6 +22,10 @@ ragged prefill on CUDA), decodes and short chunks absorbed (the key up-projectio
 query, the value one applied to the latent output, FlashInfer's MLA on CUDA); torch references
 elsewhere. Routed experts are stacked (`moe.layer.RoutedExperts`): a fused Triton MoE on CUDA,
 expert by expert on the CPU; MLA's attention input is one Triton kernel on CUDA.
+
+A quantized checkpoint (`scheme`: Kimi-K2-Instruct's and GLM-5-FP8's FP8 blocks, K2-Thinking's
+INT4 experts) stores each linear layer as `core.quant` says; embeddings, norms, the router and
+the LM head stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -42,36 +46,56 @@ from pegainfer.core.latent_moe.config import LatentMoEConfig
 from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.loading.weights import WeightTarget, empty_param
 from pegainfer.core.model_line import Model, RuntimeConfig
-from pegainfer.core.moe.layer import DenseMLP, MoE
+from pegainfer.core.moe.layer import DenseMLP, MLPFormats, MoE
 from pegainfer.core.ops.interleaved_rope import InterleavedRope
+from pegainfer.core.quant.scheme import QuantScheme
 from pegainfer.core.runner.forward_batch import ForwardBatch
+
+
+def mlp_formats(scheme: QuantScheme | None, modules: list[str]) -> MLPFormats:
+    """How the checkpoint stores the SwiGLU MLPs `modules` (checkpoint names, e.g. every
+    `model.layers.3.mlp.experts.E`), which run as one."""
+    if scheme is None:
+        return MLPFormats()
+    leaves = ("gate_proj", "up_proj")
+    gate_up = scheme.common_format(f"{m}.{leaf}" for m in modules for leaf in leaves)
+    return MLPFormats(gate_up, scheme.common_format(f"{m}.down_proj" for m in modules))
 
 
 class LatentMoELayer(nn.Module):
     def __init__(
         self, cfg: LatentMoEConfig, index: int, attention: nn.Module,
         group: parallel.ParallelGroup, expert_parallel: bool,
-        data_parallel: parallel.ParallelGroup,
+        data_parallel: parallel.ParallelGroup, scheme: QuantScheme | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = empty_param(cfg.hidden_size)
         self.post_attention_layernorm = empty_param(cfg.hidden_size)
         self.self_attn = attention
+        mlp = f"model.layers.{index}.mlp"
         if cfg.is_moe(index):
+            experts = [f"{mlp}.experts.{e}" for e in range(cfg.num_experts)]
             self.mlp: nn.Module = MoE(
                 cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_shared_experts, cfg.routing,
-                group, expert_parallel, data_parallel,
+                group, expert_parallel, data_parallel, mlp_formats(scheme, experts),
+                mlp_formats(scheme, [f"{mlp}.shared_experts"]),
             )  # fmt: skip
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, group)
+            formats = mlp_formats(scheme, [mlp])
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, group, formats)
 
 
 class LatentMoEForCausalLM(Model):
     def __init__(
         self, cfg: LatentMoEConfig, group: parallel.ParallelGroup | None = None,
         expert_parallel: bool = False, data_parallel: parallel.ParallelGroup | None = None,
+        scheme: QuantScheme | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
+        if scheme is not None and scheme.format_for("lm_head") is not None:
+            raise ConfigError("a quantized LM head is not supported")
+        #: How the checkpoint stores the linear layers (None: unquantized).
+        self.scheme = scheme
         self.group = group = group or parallel.ParallelGroup()
         self.data_parallel = data_parallel = data_parallel or parallel.ParallelGroup()
         if data_parallel.world_size > 1 and group.world_size > 1:
@@ -91,7 +115,7 @@ class LatentMoEForCausalLM(Model):
         self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(
             LatentMoELayer(cfg, i, self.attention_layer(cfg, i), group, expert_parallel,
-                           data_parallel)
+                           data_parallel, scheme)
             for i in range(cfg.num_layers)
         )  # fmt: skip
         self.norm = empty_param(cfg.hidden_size)
@@ -109,7 +133,11 @@ class LatentMoEForCausalLM(Model):
 
     def attention_layer(self, cfg: LatentMoEConfig, index: int) -> nn.Module:
         """Layer `index`'s attention module (a line with another attention overrides this)."""
-        return LatentAttention(cfg, self.group)
+        return LatentAttention(cfg, self.group, index, self.scheme)
+
+    def after_loading(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.after_loading()
 
     @property
     def vocab_size(self) -> int:

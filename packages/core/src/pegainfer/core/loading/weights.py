@@ -352,4 +352,8 @@ def build_and_load(make: Callable[[], M], ctx: ModelContext) -> M:
     allocate_parameters(model, ctx.device)
     load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map,
                  scheme=scheme)  # fmt: skip
+    from pegainfer.core.model_line import Model  # model_line imports this module's importers
+
+    if isinstance(model, Model):
+        model.after_loading()
     return model
