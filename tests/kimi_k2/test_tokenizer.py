@@ -14,6 +14,7 @@ from pegainfer.core.errors import ConfigError
 from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
 from pegainfer.core.text.tiktoken_bpe import read_tiktoken_ranks
 from pegainfer.core.text.tokenizer import Tokenizer
+from pegainfer.models.kimi_k2.line import KimiK2Line
 from pegainfer.models.kimi_k2.tiny_tokenizer import (
     NOT_SPECIAL,
     SPECIAL_OFFSETS,
@@ -24,6 +25,8 @@ from pegainfer.models.kimi_k2.tokenizer import (
     SPLIT_PATTERN,
     load_kimi_tokenizer,
 )
+from pegainfer.server import parsers
+from pegainfer.server.tool_calls import KimiK2ToolCalls
 from tests.tokenizer_texts import CORPUS, random_texts
 
 tiktoken = pytest.importorskip("tiktoken")
@@ -151,3 +154,12 @@ def test_bad_checkpoints_are_refused(tok_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"'<\|far\|>' has id 2000, outside the 256 reserved"):
         load_kimi_tokenizer(tmp_path)
+
+
+def test_the_line_loads_it_and_names_kimis_tool_call_parser(tok_dir, tok):
+    line = KimiK2Line()
+    assert line.tokenizer_file == "tiktoken.model"
+    assert line.load_tokenizer(tok_dir).encode(KIMI_TEXTS[3]) == tok.encode(KIMI_TEXTS[3])
+    defaults = {"reasoning": line.reasoning_parser, "tool_call": line.tool_call_parser}
+    chosen = parsers.resolve(parsers.registry(), {}, defaults)
+    assert chosen == {"reasoning": None, "tool_call": KimiK2ToolCalls}

@@ -159,17 +159,22 @@ def accepts(tokenizer: Tokenizer, output, text: str) -> bool:
     return all(matcher.consume_token(t) for t in ids) and matcher.consume_token(eos)
 
 
+COMPACT = call("functions.get_weather:0", '{"city":"北京","days":2}')
+
+
 @pytest.mark.parametrize(
     ("tool_choice", "parallel", "good", "bad"),
     [
-        ("required", True, [BEGIN + WEATHER + call("functions.get_time:1", "{}") + END],
+        ("required", True, [BEGIN + COMPACT + call("functions.get_time:12", "{}") + END],
          [BEGIN + END, BEGIN + call("functions.get_date:0", "{}") + END,
-          BEGIN + call("functions.get_weather:0", '{"days": 2}') + END, WEATHER]),
-        ("required", False, [BEGIN + WEATHER + END],
-         [BEGIN + WEATHER + call("functions.get_time:1", "{}") + END]),
+          BEGIN + call("functions.get_weather:0", '{"days":2}') + END, COMPACT,
+          BEGIN + WEATHER + END,  # JSON is compact: no room for endless whitespace
+          BEGIN + call("functions.get_time:12345", "{}") + END]),
+        ("required", False, [BEGIN + COMPACT + END],
+         [BEGIN + COMPACT + call("functions.get_time:1", "{}") + END]),
         ({"type": "function", "function": {"name": "get_time"}}, True,
-         [BEGIN + call("functions.get_time:0", '{"zone": "Z"}') + END],
-         [BEGIN + WEATHER + END, "Sure." + BEGIN + call("functions.get_time:0", "{}") + END]),
+         [BEGIN + call("functions.get_time:0", '{"zone":"Z"}') + END],
+         [BEGIN + COMPACT + END, "Sure." + BEGIN + call("functions.get_time:0", "{}") + END]),
     ],
 )  # fmt: skip
 def test_forced_calls_are_written_in_kimis_format(kimi_tokenizer, tool_choice, parallel, good,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.line("kimi_k2")
 
 BEGIN, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL = ('<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-        '{"city": "Beijing"}<|tool_call_end|>')  # fmt: skip
+        '{"city":"Beijing"}<|tool_call_end|>')  # fmt: skip
 SCRIPTS = [
     ["## Return of", "<think>Got it.</think>It is sunny in Beijing."],
     ["Forced", BEGIN + CALL + END],
@@ -63,7 +63,7 @@ def test_a_tool_call_round_trip(kimi, stream):
     messages += [
         {"role": "assistant", "content": None, "reasoning_content": reasoning, "tool_calls": [
             {"id": calls[0][2], "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Beijing"}'}}]},
+             "function": {"name": "get_weather", "arguments": '{"city":"Beijing"}'}}]},
         {"role": "tool", "tool_call_id": calls[0][2], "content": "sunny, 21C"},
     ]  # fmt: skip
     content, reasoning, calls, reason = ask(client, server, messages, stream, tools=TOOLS)

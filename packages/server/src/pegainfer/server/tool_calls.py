@@ -367,7 +367,9 @@ class KimiK2ToolCalls(ToolCallParser):
         rules = []
         for i, function in enumerate(names):
             header = json.dumps(f"functions.{function}:")
-            schema = json.dumps(parameters_schema(functions[function]))
+            # Compact JSON, as the server's other JSON constraints: no endless whitespace.
+            compact = {"x-guidance": {"whitespace_flexible": False}}
+            schema = json.dumps(parameters_schema(functions[function]) | compact)
             rules.append(f"call{i}: {_CALL_BEGIN} {header} INDEX {_ARGUMENTS_BEGIN} "
                          f"args{i} {_CALL_END}\nargs{i}: %json {schema}")  # fmt: skip
         calls = " | ".join(f"call{i}" for i in range(len(names)))
@@ -376,7 +378,7 @@ class KimiK2ToolCalls(ToolCallParser):
             f"start: {_SECTION_BEGIN[0]} call{repeat} {_SECTION_END[0]}",
             f"call: {calls}",
             *rules,
-            "INDEX: /[0-9]+/",
+            "INDEX: /[0-9]{1,4}/",
         ])  # fmt: skip
         return StructuredOutput(kind="grammar", spec=grammar)
 

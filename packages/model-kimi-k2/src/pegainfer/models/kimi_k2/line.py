@@ -19,6 +19,10 @@ class KimiK2Line(ModelLine):
     unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
     supports_data_parallel = True
     tokenizer_file = TIKTOKEN_FILE
+    # Kimi's calls in special tokens. No reasoning parser by default: K2-Instruct does not think,
+    # and kimi_k2's split reads an answer as thinking from its first token (K2-Thinking, K2.5
+    # and K2.6 think: serve them with --reasoning-parser kimi_k2, as vLLM does).
+    tool_call_parser = "kimi_k2"
 
     def probe(self, config: dict[str, Any]) -> Probe:
         checkpoint = KimiCheckpoint.of(config)
