@@ -79,3 +79,18 @@ def test_a_quantized_lm_head_is_refused(source, tmp_path):
     quantize_checkpoint(source, tmp_path / "q", config, lambda m: m == "lm_head")
     with pytest.raises(ConfigError, match="quantized LM head"):
         load(tmp_path / "q")
+
+
+def test_layers_are_named_under_the_checkpoint_prefix(source):
+    """A vision-language checkpoint (Kimi-K2.5) names its text layers under a prefix: the
+    scheme's patterns see those names."""
+    ignore = ["lm_head", "language_model.model.layers.0"]
+    qc = FP8_BLOCK_CONFIG | {"weight_block_size": [32, 32], "modules_to_not_convert": ignore}
+    config = read_config(source) | {"quantization_config": qc}
+    with torch.device("meta"):
+        model = LatentMoEForCausalLM(deepseek_v2_config(config), scheme=parse_quantization(config),
+                                     checkpoint_prefix="language_model.")  # fmt: skip
+    assert not isinstance(model.layers[0].self_attn.o_proj, QuantLinear)
+    assert not isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+    assert isinstance(model.layers[1].self_attn.o_proj, QuantLinear)
+    assert isinstance(model.layers[1].mlp.experts.down_proj, QuantLinear)

@@ -44,17 +44,18 @@ class LatentAttention(nn.Module):
         self,
         cfg: LatentMoEConfig,
         group: parallel.ParallelGroup,
-        index: int = 0,
         scheme: QuantScheme | None = None,
+        layer: str = "model.layers.0",
     ) -> None:
-        """Layer `index`'s attention; `scheme`: how the checkpoint stores its projections."""
+        """`scheme`: how the checkpoint stores the projections of `layer` (its checkpoint
+        name)."""
         super().__init__()
         self.cfg = cfg
         self.group = group
         heads, h = cfg.num_heads, cfg.hidden_size
 
         def fmt(*modules: str):
-            names = [f"model.layers.{index}.self_attn.{module}" for module in modules]
+            names = [f"{layer}.self_attn.{module}" for module in modules]
             return scheme.common_format(names) if scheme is not None else None
 
         # The two projections of the layer input, one GEMM: q_proj's rows (q_a_proj's with

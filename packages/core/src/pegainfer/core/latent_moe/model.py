@@ -67,12 +67,14 @@ class LatentMoELayer(nn.Module):
         self, cfg: LatentMoEConfig, index: int, attention: nn.Module,
         group: parallel.ParallelGroup, expert_parallel: bool,
         data_parallel: parallel.ParallelGroup, scheme: QuantScheme | None = None,
+        name: str = "",
     ) -> None:  # fmt: skip
+        """Layer `index`, `name` in the checkpoint (how `scheme` knows its MLP)."""
         super().__init__()
         self.input_layernorm = empty_param(cfg.hidden_size)
         self.post_attention_layernorm = empty_param(cfg.hidden_size)
         self.self_attn = attention
-        mlp = f"model.layers.{index}.mlp"
+        mlp = f"{name}.mlp"
         if cfg.is_moe(index):
             experts = [f"{mlp}.experts.{e}" for e in range(cfg.num_experts)]
             self.mlp: nn.Module = MoE(
@@ -89,13 +91,14 @@ class LatentMoEForCausalLM(Model):
     def __init__(
         self, cfg: LatentMoEConfig, group: parallel.ParallelGroup | None = None,
         expert_parallel: bool = False, data_parallel: parallel.ParallelGroup | None = None,
-        scheme: QuantScheme | None = None,
+        scheme: QuantScheme | None = None, checkpoint_prefix: str = "",
     ) -> None:  # fmt: skip
+        """`scheme`: how the checkpoint stores the linear layers (None: unquantized), which
+        it names under `checkpoint_prefix` (a vision-language checkpoint's text model)."""
         super().__init__()
-        if scheme is not None and scheme.format_for("lm_head") is not None:
+        if scheme is not None and scheme.format_for(f"{checkpoint_prefix}lm_head") is not None:
             raise ConfigError("a quantized LM head is not supported")
-        #: How the checkpoint stores the linear layers (None: unquantized).
-        self.scheme = scheme
+        self.scheme, self.checkpoint_prefix = scheme, checkpoint_prefix
         self.group = group = group or parallel.ParallelGroup()
         self.data_parallel = data_parallel = data_parallel or parallel.ParallelGroup()
         if data_parallel.world_size > 1 and group.world_size > 1:
@@ -115,7 +118,7 @@ class LatentMoEForCausalLM(Model):
         self.embed_tokens = empty_param(vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(
             LatentMoELayer(cfg, i, self.attention_layer(cfg, i), group, expert_parallel,
-                           data_parallel, scheme)
+                           data_parallel, scheme, self.layer_name(i))
             for i in range(cfg.num_layers)
         )  # fmt: skip
         self.norm = empty_param(cfg.hidden_size)
@@ -133,7 +136,11 @@ class LatentMoEForCausalLM(Model):
 
     def attention_layer(self, cfg: LatentMoEConfig, index: int) -> nn.Module:
         """Layer `index`'s attention module (a line with another attention overrides this)."""
-        return LatentAttention(cfg, self.group, index, self.scheme)
+        return LatentAttention(cfg, self.group, self.scheme, self.layer_name(index))
+
+    def layer_name(self, index: int) -> str:
+        """Layer `index`'s name in the checkpoint."""
+        return f"{self.checkpoint_prefix}model.layers.{index}"
 
     def after_loading(self) -> None:
         for layer in self.layers:
