@@ -1,7 +1,8 @@
 """Qwen3, Qwen3.5, DeepSeek-V2 and GLM-5 split over two gloo ranks (heads, KV heads, DeltaNet
 heads, MLP width and vocabulary halved, each routed expert's width halved or, expert parallel,
 the routed experts divided, weights sliced from the checkpoint at load; GLM-5's indexer whole
-on each rank) compute the single-process logits (float32)."""
+on each rank; Qwen3 from an FP8 block-quantized checkpoint, its weights and scales sliced on
+block boundaries) compute the single-process logits (float32)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.paged_runner import PagedRunner, random_tokens
 from tests.qwen3.hf_reference import VOCAB, write_hf_checkpoint
 
 # "deepseek-ep": the routed experts divided between the ranks rather than split in width.
-LINES = ("deepseek", "deepseek-ep", "glm5", "glm5-ep", "qwen3", "qwen35")
+LINES = ("deepseek", "deepseek-ep", "glm5", "glm5-ep", "qwen3", "qwen3-fp8", "qwen35")
 
 
 def line_class(line: str) -> type[ModelLine]:
@@ -81,6 +82,13 @@ def write(line: str, path: Path, tie: bool) -> Path:
         from tests.qwen35.hf_reference import write_hf_checkpoint as write_qwen35_checkpoint
 
         return write_qwen35_checkpoint(path, tie=tie)
+    if line == "qwen3-fp8":
+        from tests.quant_checkpoints import FP8_BLOCK_CONFIG, quantize_checkpoint
+
+        source = write_hf_checkpoint(path.with_name("bf16"), tie=tie)
+        config = FP8_BLOCK_CONFIG | {"weight_block_size": [32, 32]}
+        quantize_checkpoint(source, path, config, lambda m: m.endswith("_proj"))
+        return path
     return write_hf_checkpoint(path, tie=tie)
 
 
