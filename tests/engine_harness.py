@@ -73,3 +73,31 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
                           min_new_tokens=n, do_sample=False, eos_token_id=None,
                           pad_token_id=0)  # fmt: skip
     return out[0, len(prompt) :].tolist()
+
+
+def check_prefix_hit_equals_cold(path: Path, prompt: list[int], expected: list[int]) -> None:
+    """A repeated prompt reuses the first request's blocks (all but the last token's) from the
+    device prefix cache and continues as cold (greedy `expected`)."""
+    engine = make_engine(path)
+    submit(engine, "first", prompt, greedy(len(expected)))
+    drain(engine)
+    submit(engine, "again", prompt, greedy(len(expected)))
+    assert drain(engine) == {"again": expected}
+    block = engine.config.block_size
+    assert engine.scheduler.counters.prefix_hits == (len(prompt) - 1) // block * block
+
+
+def check_host_tier_hit_equals_cold(
+    path: Path, prompt: list[int], expected: list[int], arenas: set[str]
+) -> None:
+    """With the device prefix cache off, a repeated prompt's blocks come back from the host
+    tier, which holds every one of the model's `arenas`, and it continues as cold."""
+    engine = make_engine(path, enable_prefix_caching=False, kv_offload=True,
+                         kv_offload_gib=64 * 4096 / 2**30)  # fmt: skip
+    assert set(engine.offload.arenas) == arenas
+    submit(engine, "first", prompt, greedy(len(expected)))
+    drain(engine)
+    submit(engine, "again", prompt, greedy(len(expected)))
+    assert drain(engine) == {"again": expected}
+    block = engine.config.block_size
+    assert engine.scheduler.counters.prefix_hits_host == (len(prompt) - 1) // block * block

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from tests.qwen3.golden_gate import Case, reference_logprobs
+
 FINAL_NORM_GAIN = 0.3
 
 
@@ -55,3 +57,20 @@ def write_gate_checkpoint(
         hf.model.embed_tokens.weight.normal_(0, hidden**-0.5)
         hf.lm_head.weight.copy_(hf.model.embed_tokens.weight)
     hf.save_pretrained(path)
+
+
+def hf_references(
+    path: Path, cases: list[Case], model: str
+) -> dict[torch.dtype, list[torch.Tensor]]:
+    """transformers' (`{model}ForCausalLM`) logprobs for each case, in bf16 and in float32
+    (one model at a time)."""
+    import transformers
+
+    refs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model_class = getattr(transformers, f"{model}ForCausalLM")
+        hf = model_class.from_pretrained(path, dtype=dtype).cuda().eval()
+        refs[dtype] = [reference_logprobs(hf, c) for c in cases]
+        del hf
+        torch.cuda.empty_cache()
+    return refs

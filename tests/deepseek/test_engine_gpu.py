@@ -18,7 +18,7 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.server.bench.make_checkpoint import DEEPSEEK_SHAPES
 from tests.deepseek.hf_reference import SMALL
-from tests.latent_moe_gate import write_gate_checkpoint
+from tests.latent_moe_gate import hf_references, write_gate_checkpoint
 from tests.qwen3.golden_gate import (
     PIECEWISE_LENGTHS,
     Case,
@@ -29,7 +29,6 @@ from tests.qwen3.golden_gate import (
     judge_with_long_prompt,
     make_cases,
     real_shape_gate_passes,
-    reference_logprobs,
     small_gate_passes,
 )
 
@@ -56,23 +55,6 @@ V2_LITE = {k: v for k, v in DEEPSEEK_SHAPES["deepseek-v2-lite"].items()
     "rope_parameters": LITE_GEOMETRY["rope_parameters"]} | GATE_ROUTING  # fmt: skip
 # The share of the residual the layers write (write_gate_checkpoint): peaked distributions.
 SMALL_LAYER_OUT, V2_LITE_LAYER_OUT = 0.25, 0.01
-
-
-def hf_model(path, dtype: torch.dtype):
-    import transformers
-
-    return transformers.DeepseekV2ForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-
-
-def hf_references(path, cases: list[Case]) -> dict[torch.dtype, list[torch.Tensor]]:
-    """transformers' logprobs for each case, in bf16 and in float32 (one model at a time)."""
-    refs = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        hf = hf_model(path, dtype)
-        refs[dtype] = [reference_logprobs(hf, c) for c in cases]
-        del hf
-        torch.cuda.empty_cache()
-    return refs
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +102,7 @@ def test_small_golden_gate(small):
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (1508,), generator=g).tolist()
     long = Case(tokens[:1500], tokens[1500:])
-    refs = hf_references(path, [*cases, long])
+    refs = hf_references(path, [*cases, long], "DeepseekV2")
     forcer = TeacherForcer(engine)
     passes = small_gate_passes(forcer, cases)
     long_pass = {"prompt_1500": forcer.run([long])}
@@ -149,7 +131,7 @@ def test_golden_gate_at_deepseek_v2_lite_shapes(v2_lite):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, V2_LITE["vocab_size"], (4510,), generator=g).tolist()
     long = Case(tokens[:4500], tokens[4500:])
-    refs = hf_references(path, [*cases, long])
+    refs = hf_references(path, [*cases, long], "DeepseekV2")
     engine = EngineCore(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
                                    max_model_len=8192, max_num_seqs=16,
                                    gpu_memory_utilization=0.6))  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
-from tests.latent_moe_gate import write_gate_checkpoint
+from tests.latent_moe_gate import hf_references, write_gate_checkpoint
 from tests.qwen3.golden_gate import (
     Case,
     TeacherForcer,
@@ -28,7 +28,6 @@ from tests.qwen3.golden_gate import (
     judge_with_long_prompt,
     make_cases,
     real_shape_gate_passes,
-    reference_logprobs,
     small_gate_passes,
 )
 
@@ -57,19 +56,6 @@ GLM5_REDUCED = GLM_GEOMETRY | {
     "index_topk": 2048,
 }  # fmt: skip
 SMALL_LAYER_OUT, REDUCED_LAYER_OUT = 0.25, 0.05
-
-
-def hf_references(path, cases: list[Case]) -> dict[torch.dtype, list[torch.Tensor]]:
-    """transformers' logprobs for each case, in bf16 and in float32 (one model at a time)."""
-    import transformers
-
-    refs = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-        refs[dtype] = [reference_logprobs(hf, c) for c in cases]
-        del hf
-        torch.cuda.empty_cache()
-    return refs
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +93,7 @@ def test_small_golden_gate(small):
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (1508,), generator=g).tolist()
     long = Case(tokens[:1500], tokens[1500:])
-    refs = hf_references(path, [*cases, long])
+    refs = hf_references(path, [*cases, long], "GlmMoeDsa")
     forcer = TeacherForcer(engine)
     passes = small_gate_passes(forcer, cases)
     long_pass = {"prompt_1500": forcer.run([long])}
@@ -137,7 +123,7 @@ def test_golden_gate_at_glm5_widths(reduced):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, GLM5_REDUCED["vocab_size"], (8010,), generator=g).tolist()
     long = Case(tokens[:8000], tokens[8000:])
-    refs = hf_references(path, [*cases, long])
+    refs = hf_references(path, [*cases, long], "GlmMoeDsa")
     engine = EngineCore(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
                                    max_model_len=16384, max_num_seqs=16,
                                    gpu_memory_utilization=0.6))  # fmt: skip

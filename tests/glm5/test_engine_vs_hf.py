@@ -9,12 +9,12 @@ import torch
 
 from tests.engine_harness import (
     both_schedulers,  # noqa: F401 (a fixture)
-    drain,
+    check_host_tier_hit_equals_cold,
+    check_prefix_hit_equals_cold,
     generate,
     greedy,
     hf_greedy,
     make_engine,
-    submit,
 )
 from tests.glm5.hf_reference import VOCAB, load_hf, write_hf_checkpoint
 
@@ -45,23 +45,11 @@ def test_chunked_prefill_beside_decodes(reference):
 def test_prefix_cache_hit_equals_cold(reference):
     """The second request reuses the first one's latent and indexer-key blocks."""
     path, batch, expected = reference
-    engine = make_engine(path)
-    submit(engine, "first", batch[-1], greedy(NEW_TOKENS))
-    drain(engine)
-    submit(engine, "again", batch[-1], greedy(NEW_TOKENS))
-    assert drain(engine) == {"again": expected[-1]}
-    assert engine.scheduler.counters.prefix_hits == (len(batch[-1]) - 1) // 4 * 4
+    check_prefix_hit_equals_cold(path, batch[-1], expected[-1])
 
 
 def test_blocks_restored_from_the_host_tier_equal_cold(reference):
     """The host tier stores the indexer keys beside the latents: with the device prefix cache
     off, a repeated prompt's blocks come back from host memory."""
     path, batch, expected = reference
-    engine = make_engine(path, enable_prefix_caching=False, kv_offload=True,
-                         kv_offload_gib=64 * 4096 / 2**30)  # fmt: skip
-    assert set(engine.offload.arenas) == {"ckv", "kpe", "index_k"}
-    submit(engine, "first", batch[-1], greedy(NEW_TOKENS))
-    drain(engine)
-    submit(engine, "again", batch[-1], greedy(NEW_TOKENS))
-    assert drain(engine) == {"again": expected[-1]}
-    assert engine.scheduler.counters.prefix_hits_host == (len(batch[-1]) - 1) // 4 * 4
+    check_host_tier_hit_equals_cold(path, batch[-1], expected[-1], {"ckv", "kpe", "index_k"})

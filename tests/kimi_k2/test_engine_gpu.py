@@ -18,7 +18,7 @@ import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
-from tests.latent_moe_gate import write_gate_checkpoint
+from tests.latent_moe_gate import hf_references, write_gate_checkpoint
 from tests.qwen3.golden_gate import (
     PIECEWISE_LENGTHS,
     Case,
@@ -29,7 +29,6 @@ from tests.qwen3.golden_gate import (
     judge_with_long_prompt,
     make_cases,
     real_shape_gate_passes,
-    reference_logprobs,
     small_gate_passes,
 )
 
@@ -63,19 +62,6 @@ KIMI_REDUCED = KIMI_GEOMETRY | {
     "n_routed_experts": int(os.environ.get("KIMI_GATE_EXPERTS", 384)),
 }  # fmt: skip
 SMALL_LAYER_OUT, REDUCED_LAYER_OUT = 0.25, 0.05
-
-
-def hf_references(path, cases: list[Case]) -> dict[torch.dtype, list[torch.Tensor]]:
-    """transformers' logprobs for each case, in bf16 and in float32 (one model at a time)."""
-    import transformers
-
-    refs = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        hf = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-        refs[dtype] = [reference_logprobs(hf, c) for c in cases]
-        del hf
-        torch.cuda.empty_cache()
-    return refs
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +106,7 @@ def test_small_golden_gate(small):
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (1508,), generator=g).tolist()
     long = Case(tokens[:1500], tokens[1500:])
-    refs = hf_references(path, [*cases, long])
+    refs = hf_references(path, [*cases, long], "DeepseekV3")
     forcer = TeacherForcer(engine)
     passes = small_gate_passes(forcer, cases)
     long_pass = {"prompt_1500": forcer.run([long])}
@@ -150,7 +136,7 @@ def test_golden_gate_at_kimi_k2_widths(reduced):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, KIMI_REDUCED["vocab_size"], (4510,), generator=g).tolist()
     long = Case(tokens[:4500], tokens[4500:])
-    refs = hf_references(path, [*cases, long])
+    refs = hf_references(path, [*cases, long], "DeepseekV3")
     engine = EngineCore(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
                                    max_model_len=8192, max_num_seqs=16,
                                    gpu_memory_utilization=0.6))  # fmt: skip

@@ -8,12 +8,11 @@ import torch
 
 from tests.engine_harness import (
     both_schedulers,  # noqa: F401 (a fixture)
-    drain,
+    check_prefix_hit_equals_cold,
     generate,
     greedy,
     hf_greedy,
     make_engine,
-    submit,
 )
 from tests.kimi_k2.hf_reference import VOCAB, load_hf, write_hf_checkpoint
 
@@ -44,9 +43,4 @@ def test_chunked_prefill_beside_decodes(reference):
 def test_prefix_cache_hit_equals_cold(reference):
     """The second request reuses the first one's latent blocks (all but the last)."""
     path, batch, expected = reference
-    engine = make_engine(path)
-    submit(engine, "first", batch[-1], greedy(NEW_TOKENS))
-    drain(engine)
-    submit(engine, "again", batch[-1], greedy(NEW_TOKENS))
-    assert drain(engine) == {"again": expected[-1]}
-    assert engine.scheduler.counters.prefix_hits == (len(batch[-1]) - 1) // 4 * 4
+    check_prefix_hit_equals_cold(path, batch[-1], expected[-1])
