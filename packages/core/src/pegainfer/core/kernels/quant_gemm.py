@@ -21,6 +21,7 @@ path, everything else the weight-only one. The tile helpers (`fp8_weight_tile`,
 
 from __future__ import annotations
 
+from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,11 @@ if TYPE_CHECKING:
 # weights (H200: ~1.98 PFLOP/s of FP8 against 4.8 TB/s puts the ridge near 200 flops per weight
 # byte, 2 M flops per byte here), and FP8 tensor cores win over dequantizing to bf16.
 W8A8_MIN_ROWS = 64
-_SMS = 132  # H200; only sizes the K split
+
+
+@cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -142,7 +147,7 @@ def weight_only_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     # Enough programs to keep every SM streaming weights (two per SM), each with >= 4 K tiles.
-    split = max(1, min(triton.cdiv(2 * _SMS, tiles), k_tiles // 4))
+    split = max(1, min(triton.cdiv(2 * _sms(x.device), tiles), k_tiles // 4))
     per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per_split)
     if split == 1:
@@ -245,16 +250,15 @@ def fp8_w8a8_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     return out
 
 
-def fp8_w8a8_applies(layer: QuantLinear) -> bool:
-    return isinstance(layer.fmt, Fp8Block) and layer.fmt.block[1] in (32, 64, 128)
-
-
 def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """x [.., K] W^T on CUDA: FP8 x FP8 for many rows of FP8 block weights, else weight-only."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if rows.shape[0] >= W8A8_MIN_ROWS and fp8_w8a8_applies(layer):
+    w8a8 = isinstance(layer.fmt, Fp8Block) and layer.fmt.block[1] in (32, 64, 128)
+    if rows.shape[0] == 0:
+        out = rows.new_empty(0, layer.out_features)
+    elif rows.shape[0] >= W8A8_MIN_ROWS and w8a8:
         out = fp8_w8a8_linear(rows, layer)
     else:
         out = weight_only_linear(rows, layer)
