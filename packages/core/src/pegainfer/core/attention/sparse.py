@@ -354,6 +354,11 @@ class SparseLatentAttention:
         return max(self.dense.transient_bytes, _SCORE_ENTRIES * 4 * 2)
 
     @property
+    def step(self) -> SparseStep | None:
+        """This step's rows as the indexer addresses them (None: a dense step)."""
+        return self._step
+
+    @property
     def is_sparse(self) -> bool:
         """Whether this step's rows attend to their selections."""
         return self._step is not None
