@@ -9,6 +9,7 @@ from typing import Any
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.loading.weights import build_and_load
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.quant.scheme import parse_quantization
 from pegainfer.core.text.tokenizer import Tokenizer
 from pegainfer.models.kimi_k2.config import KimiCheckpoint
 from pegainfer.models.kimi_k2.tokenizer import TIKTOKEN_FILE, load_kimi_tokenizer
@@ -36,13 +37,14 @@ class KimiK2Line(ModelLine):
         checkpoint = KimiCheckpoint.of(ctx.config)
         if isinstance(checkpoint, str):
             raise ConfigError(checkpoint)
-        cfg, prefix = checkpoint.model_config(), checkpoint.weight_prefix
+        cfg, scheme = checkpoint.model_config(), parse_quantization(ctx.config)
         return build_and_load(
             lambda: KimiK2ForCausalLM(
-                cfg, prefix, ctx.parallel, ctx.expert_parallel, ctx.data_parallel
+                cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel, scheme,
+                checkpoint.weight_prefix,
             ),
             ctx,
-        )
+        )  # fmt: skip
 
     def load_tokenizer(self, tokenizer_dir: Path) -> Tokenizer:
         return load_kimi_tokenizer(tokenizer_dir)
