@@ -46,7 +46,7 @@ class Glm5Config(LatentMoEConfig):
             raise ConfigError(
                 "mlp_layer_types must be first_k_dense_replace dense layers, then MoE layers"
             )
-        kinds = tuple(config.get("indexer_types") or ["full"] * layers)
+        kinds = _indexer_types(config, layers)
         if len(kinds) != layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
             raise ConfigError(
                 "indexer_types must give each layer 'full' or 'shared', the first one 'full'"
@@ -62,3 +62,20 @@ class Glm5Config(LatentMoEConfig):
             index_topk=int(config.get("index_topk", 2048)),
             indexer_types=kinds,
         )
+
+
+def _indexer_types(config: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Each layer's indexer, as transformers' `GlmMoeDsaConfig` derives it: `indexer_types`;
+    else `index_topk_pattern` ("F"/"S" per layer); else every `index_topk_freq`-th layer
+    from `index_skip_topk_offset` - 1 on runs its own (the layers before it all do)."""
+    if config.get("indexer_types") is not None:
+        return tuple(config["indexer_types"])
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            return tuple({"F": "full", "S": "shared"}.get(c, c) for c in pattern)
+        return tuple(pattern)
+    freq = max(int(config.get("index_topk_freq", 1)), 1)
+    offset = int(config.get("index_skip_topk_offset", 2))
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                 for i in range(layers))  # fmt: skip
