@@ -36,19 +36,22 @@ def sweep(tokens: int, block_m: int, args: argparse.Namespace) -> list[dict]:
     out = torch.empty(pairs, h, device=dev, dtype=torch.float32)
     rows = []
     for bn, bk, warps, stages in CONFIGS:
-        tiles = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, IEEE=False, num_warps=warps,
-                     num_stages=stages)  # fmt: skip
+        # Plain bf16 experts: the scale arguments are never read.
+        tiles = dict(QUANT=0, SCALE_ROWS=1, SCALE_COLS=1, BLOCK_M=block_m, BLOCK_N=bn,
+                     BLOCK_K=bk, IEEE=False, num_warps=warps, num_stages=stages)  # fmt: skip
 
         def gate_up_call(bn=bn, tiles=tiles):
             moe_kernels._gate_up_kernel[(block_expert.numel(), triton.cdiv(i, bn))](
-                x, gate_up, hidden, sorted_pairs, block_expert, pairs, k, h, i, x.stride(0),
-                gate_up.stride(0), gate_up.stride(1), hidden.stride(0), **tiles,
+                x, gate_up, gate_up, hidden, sorted_pairs, block_expert, pairs, k, h, i,
+                x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(0),
+                gate_up.stride(1), hidden.stride(0), **tiles,
             )  # fmt: skip
 
         def down_call(bn=bn, tiles=tiles):
             moe_kernels._down_kernel[(block_expert.numel(), triton.cdiv(h, bn))](
-                hidden, down, out, sorted_pairs, block_expert, weights, pairs, h, i,
-                hidden.stride(0), down.stride(0), down.stride(1), out.stride(0), **tiles,
+                hidden, down, down, out, sorted_pairs, block_expert, weights, pairs, h, i,
+                hidden.stride(0), down.stride(0), down.stride(1), down.stride(0), down.stride(1),
+                out.stride(0), **tiles,
             )  # fmt: skip
 
         rows.append({"tokens": tokens, "block_m": block_m, "block_n": bn, "block_k": bk,

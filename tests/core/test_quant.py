@@ -387,3 +387,18 @@ def test_bf16_scales_widen_exactly(tmp_path):
                  scheme=scheme_of(FP8_CONFIG))  # fmt: skip
     assert layer.w.weight_scale_inv.dtype == torch.float32
     assert torch.equal(layer.w.weight_scale_inv, scale.bfloat16().float())
+
+
+@pytest.mark.parametrize("fmt", [Fp8Block((128, 128)), Int4Group(32)], ids=["fp8", "int4"])
+def test_random_quantized_weights_have_the_asked_spread(fmt):
+    from pegainfer.core.quant.linear import dequantize
+    from pegainfer.core.quant.random import random_quantized
+
+    g = torch.Generator().manual_seed(0)
+    weight, scale = random_quantized(fmt, (3, 256, 384), 0.05, g, "cpu")
+    for part, tensor in zip(fmt.parts, (weight, scale), strict=True):
+        assert tensor.dtype == part.dtype and tensor.shape == (3, *part.shape(256, 384))
+    values = dequantize(weight, scale, fmt, torch.float32)
+    assert values.shape == (3, 256, 384) and values.isfinite().all()
+    assert 0.04 < values.std().item() < 0.06
+    assert not torch.equal(values[0], values[1])  # each matrix drawn afresh

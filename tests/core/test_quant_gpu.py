@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pegainfer.core.ops import quant as ref
 from pegainfer.core.quant.linear import QuantLinear
+from pegainfer.core.quant.random import random_quantized
 from pegainfer.core.quant.scheme import Fp8Block, Int4Group
 
 pytestmark = pytest.mark.gpu
@@ -30,22 +31,13 @@ def rel_err(ours: torch.Tensor, ref_out: torch.Tensor) -> float:
 
 
 def random_layer(fmt, n: int, k: int, seed: int) -> QuantLinear:
-    """A layer whose stored tensors are random (every bit pattern of the packed INT4 words)."""
+    """A layer of random stored weights (FP8: values across e4m3's range; INT4: every bit
+    pattern of the packed words) with jittered scales."""
     g = torch.Generator("cuda").manual_seed(seed)
     with torch.device("meta"):
         layer = QuantLinear(n, k, fmt)
-    if isinstance(fmt, Fp8Block):
-        weight = (torch.randn(n, k, device="cuda", generator=g) * 100).clamp(-448, 448)
-        weight = weight.to(ref.FP8)
-        rows, cols = fmt.parts[1].shape(n, k)
-        scale = torch.rand(rows, cols, device="cuda", generator=g) * 1e-3 + 1e-4
-    else:
-        weight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32,
-                               generator=g)  # fmt: skip
-        scale = (torch.rand(n, k // fmt.group_size, device="cuda", generator=g) * 0.02 + 0.001).to(
-            fmt.scale_dtype
-        )
-    for part, value in zip(fmt.parts, (weight, scale), strict=True):
+    stored = random_quantized(fmt, (n, k), k**-0.5, g, "cuda")
+    for part, value in zip(fmt.parts, stored, strict=True):
         setattr(layer, part.suffix, torch.nn.Parameter(value, requires_grad=False))
     return layer
 

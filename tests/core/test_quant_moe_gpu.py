@@ -10,8 +10,8 @@ import torch
 
 from pegainfer.core.moe.experts import QuantizedExpertWeights, moe_by_expert
 from pegainfer.core.moe.routing import Routing, route
-from pegainfer.core.ops import quant as ref
 from pegainfer.core.quant.linear import dequantize
+from pegainfer.core.quant.random import random_quantized
 from pegainfer.core.quant.scheme import Fp8Block, Int4Group
 
 pytestmark = pytest.mark.gpu
@@ -25,29 +25,12 @@ def rel_err(ours: torch.Tensor, ref_out: torch.Tensor) -> float:
     return ((ours.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
 
 
-def random_matrices(fmt, experts: int, rows: int, cols: int, g: torch.Generator):
-    """Stored weights [E, rows, ...] and scales whose dequantized entries have std ~cols^-0.5."""
-    if isinstance(fmt, Fp8Block):
-        weight = torch.empty(experts, rows, cols, dtype=ref.FP8, device="cuda")
-        for e in range(experts):  # bounded temporaries at Kimi's sizes
-            sample = torch.randn(rows, cols, device="cuda", generator=g) * 100
-            weight[e] = sample.clamp(-448, 448).to(ref.FP8)
-        shape = (experts, *fmt.parts[1].shape(rows, cols))
-        scale = (torch.rand(shape, device="cuda", generator=g) + 0.5) * cols**-0.5 / 100
-        return weight, scale
-    packed = torch.randint(-(2**31), 2**31 - 1, (experts, rows, cols // 8), dtype=torch.int32,
-                           device="cuda", generator=g)  # fmt: skip
-    shape = (experts, rows, cols // fmt.group_size)
-    scale = (torch.rand(shape, device="cuda", generator=g) + 0.5) * cols**-0.5 / 4.6
-    return packed, scale.to(fmt.scale_dtype)
-
-
 def random_bank(fmt, shape: dict, seed: int, first: int = 0, count: int | None = None):
     g = torch.Generator("cuda").manual_seed(seed)
     count = shape["experts"] if count is None else count
     h, i = shape["hidden"], shape["inter"]
-    gate_up, gate_up_scale = random_matrices(fmt, count, 2 * i, h, g)
-    down, down_scale = random_matrices(fmt, count, h, i, g)
+    gate_up, gate_up_scale = random_quantized(fmt, (count, 2 * i, h), h**-0.5, g, "cuda")
+    down, down_scale = random_quantized(fmt, (count, h, i), i**-0.5, g, "cuda")
     return QuantizedExpertWeights(gate_up, down, first, gate_up_scale=gate_up_scale,
                                   down_scale=down_scale, fmt=fmt)  # fmt: skip
 
