@@ -125,10 +125,11 @@ def test_sparse_attention_over_every_key_equals_dense_mla():
     torch.testing.assert_close(sparse[3], kv_b[:, s.nope_dim :] @ c)
 
 
-@pytest.mark.parametrize("top_k", [3, 8])
-def test_a_longer_step_attends_each_rows_selection(top_k):
-    """Past top_k keys every row of the step attends its own selection: the reference's
-    softmax over exactly those keys."""
+@pytest.mark.parametrize(("top_k", "scored"), [(3, 10), (8, 4)])
+def test_a_longer_step_attends_each_rows_selection(top_k, scored):
+    """A chunk of 4 rows ending at 13 keys beside a prompt of 6: every row attends the
+    reference's softmax over its top_k keys. With top_k 8 the prompt fits: only the chunk's
+    rows are scored (and attend sparsely), the prompt's attend dense MLA."""
     starts, lengths = [9, 0], [4, 6]
     batch, tables, block_tables, seq_of_row, g = paged_step(starts, lengths, seed=5)
     runtime = RuntimeConfig(block_size=BLOCK, max_model_len=64, max_num_batched_tokens=64,
@@ -148,6 +149,7 @@ def test_a_longer_step_attends_each_rows_selection(top_k):
     attn.plan(batch)
     assert attn.is_sparse
     selection = attn.select(q_idx, w_idx, k_layer)
+    assert selection.shape == (scored, top_k)
     out = attn.run(q_nope, q_pe, ckv, kpe, kv_b, selection)
     visible = batch.positions + 1
     scores = sparse_attention.indexer_scores(q_idx, w_idx, k_layer, block_tables, seq_of_row,

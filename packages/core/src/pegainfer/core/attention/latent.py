@@ -356,7 +356,7 @@ class MultiHeadLatentAttention:
             return
         expanding = set(expand)
         keep = [i for i in range(batch.num_seqs) if i not in expanding]
-        absorbed = _sub_batch(batch, keep) if keep else None
+        absorbed = sub_batch(batch, keep) if keep else None
         if absorbed is not None:
             self.absorbed.plan(absorbed)
         self.expanded.plan([batch.query_lens_cpu[i] for i in expand],
@@ -437,8 +437,7 @@ class MultiHeadLatentAttention:
         return self.expanded.run(q, k, kv[..., s.nope_dim :].contiguous())
 
     def _rows(self, batch: ForwardBatch, seqs: list[int]) -> torch.Tensor:
-        starts = batch.query_start_loc_cpu.long()
-        return self._to_device(_ranges(starts[seqs], starts[1:][seqs] - starts[seqs]))
+        return self._to_device(sequence_rows(batch, seqs))
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -460,7 +459,13 @@ def project_values(latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-def _sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:
+def sequence_rows(batch: ForwardBatch, seqs: list[int]) -> torch.Tensor:
+    """The rows (host, int64) of sequences `seqs` of the step, sequence after sequence."""
+    starts = batch.query_start_loc_cpu.long()
+    return _ranges(starts[seqs], starts[1:][seqs] - starts[seqs])
+
+
+def sub_batch(batch: ForwardBatch, seqs: list[int]) -> ForwardBatch:
     """The attention metadata of some of a step's sequences (their rows renumbered), for
     planning only: its per-token tensors are still the whole step's."""
     q_lens = [batch.query_lens_cpu[i] for i in seqs]

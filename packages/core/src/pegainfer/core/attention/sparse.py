@@ -7,10 +7,11 @@ indexer asks for the selection (`select`: its queries and weights over that laye
 arena) and attends over it (`run`); a layer that shares the previous indexer layer's selection
 (GLM-5.2's `indexer_types`) passes that one on.
 
-While no sequence of a step has more keys than `top_k`, every row selects every key it sees:
-attention is exactly dense MLA, and an eager step runs core's `MultiHeadLatentAttention` without
-scoring anything (`select` returns None). Past that, every row of the step attends sparsely. The
-indexer keys are still written for every token (later rows score them).
+While a sequence has no more keys than `top_k`, each of its rows selects every key it sees:
+attention is exactly dense MLA, and an eager step runs its chunk through core's
+`MultiHeadLatentAttention` (expanded or absorbed, as cost decides) without scoring it; only the
+longer sequences' rows are scored and attend sparsely (`select` returns None when no sequence is
+longer). The indexer keys are still written for every token (later rows score them).
 
 On CUDA the scores are one Triton kernel (`kernels.indexer`), the top-k is torch's, and
 attention is FlashInfer's MLA over a page-size-1 view of the cache whose "pages" are each row's
@@ -36,6 +37,8 @@ from pegainfer.core.attention.latent import (
     make_latent_attention,
     mla_plan_work_items,
     project_values,
+    sequence_rows,
+    sub_batch,
 )
 from pegainfer.core.attention.paged import PlanStaging
 from pegainfer.core.errors import ConfigError
@@ -322,9 +325,10 @@ class FlashInferSparseLatent(SparseLatentBackend):
 
 
 class SparseLatentAttention:
-    """A model's DSA attention: dense MLA (`dense`) while every sequence of an eager step fits
-    in `top_k` keys, the indexer's selection and `sparse` attention over it otherwise and in
-    decode graphs."""
+    """A model's DSA attention. An eager step's sequences that fit in `top_k` keys attend
+    dense MLA (`dense`: their chunks as cheap as without an indexer); the others' rows, and
+    every row of a decode graph, attend `sparse`ly over the indexer's selection, which only
+    they need."""
 
     def __init__(
         self,
@@ -342,6 +346,8 @@ class SparseLatentAttention:
         self.max_model_len = runtime.max_model_len
         self.device = device
         self._step: SparseStep | None = None
+        #: In a step of both kinds: the dense sequences' rows and the sparse ones' (device).
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         pages = runtime.max_pages_per_seq
         largest = max(runtime.graph_buckets, default=0)
         self._graph_tables = torch.zeros(largest, pages, dtype=torch.int32, device=device)
@@ -364,12 +370,28 @@ class SparseLatentAttention:
         return self._step is not None
 
     def plan(self, batch: ForwardBatch) -> None:
-        """Plan an eager step: dense while it fits in top_k keys per sequence."""
-        columns = max(batch.seq_lens_cpu)
-        if columns <= self.indexer.top_k:
+        """Plan an eager step: sequences of at most top_k keys dense, the others sparse."""
+        top_k = self.indexer.top_k
+        long = [i for i, n in enumerate(batch.seq_lens_cpu) if n > top_k]
+        self._rows = None
+        if not long:
             self._step = None
             self.dense.plan(batch)
             return
+        if len(long) == batch.num_seqs:
+            self._step = self._sparse_step(batch, batch.positions)
+        else:
+            short = [i for i, n in enumerate(batch.seq_lens_cpu) if n <= top_k]
+            self.dense.plan(sub_batch(batch, short))
+            rows = [to_device_array(sequence_rows(batch, seqs).numpy(), self.device)
+                    for seqs in (short, long)]  # fmt: skip
+            self._rows = (rows[0], rows[1])
+            self._step = self._sparse_step(sub_batch(batch, long), batch.positions[rows[1]])
+        self.sparse.plan(self._step)
+
+    def _sparse_step(self, batch: ForwardBatch, positions: torch.Tensor) -> SparseStep:
+        """The sparse rows of an eager step: `batch`'s (its rows' `positions`)."""
+        columns = max(batch.seq_lens_cpu)
         seq_of_row, counts = _step_counts(batch, self.indexer.top_k)
         bs = batch.block_size
         tables = _padded_tables(batch, -(-columns // bs))
@@ -378,12 +400,11 @@ class SparseLatentAttention:
         device = to_device_array(host, self.device).split(
             [len(seq_of_row), len(starts), len(counts), tables.size]
         )
-        self._step = SparseStep(
-            positions=batch.positions, seq_of_row=device[0], seq_starts=device[1],
+        return SparseStep(
+            positions=positions, seq_of_row=device[0], seq_starts=device[1],
             block_tables=device[3].view(tables.shape), block_size=bs, columns=columns,
             top_k=self.indexer.top_k, counts=device[2], counts_cpu=counts,
         )  # fmt: skip
-        self.sparse.plan(self._step)
 
     def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
         """Plan a decode batch padded to `bucket` rows for a graph: always sparse, over
@@ -396,6 +417,7 @@ class SparseLatentAttention:
             to_device_array(np.ascontiguousarray(tables[:, :width]), self.device)
         )
         self._graph_counts[:bucket].copy_(to_device_array(counts, self.device))
+        self._rows = None
         self._step = SparseStep(
             positions=batch.positions, seq_of_row=self._graph_rows[:bucket],
             seq_starts=self._graph_rows[:bucket], block_tables=self._graph_tables[:bucket],
@@ -407,13 +429,15 @@ class SparseLatentAttention:
     def select(
         self, q: torch.Tensor, weights: torch.Tensor, k_layer: torch.Tensor
     ) -> torch.Tensor | None:
-        """The cache slots each row attends to ([rows, top_k] int32, best first), from the
-        indexer's queries q [rows, heads, dim] and head weights [rows, heads] over one layer's
-        indexer keys [blocks, block_size, dim] (this step's already written); None in a dense
-        step."""
+        """The cache slots each sparse row attends to ([sparse rows, top_k] int32, best
+        first), from the indexer's queries q [rows, heads, dim] and head weights [rows, heads]
+        of the step's rows over one layer's indexer keys [blocks, block_size, dim] (this
+        step's already written); None in a dense step."""
         step = self._step
         if step is None:
             return None
+        if self._rows is not None:
+            q, weights = q[self._rows[1]], weights[self._rows[1]]
         rows = q.shape[0]
         chunk = max(1, _SCORE_ENTRIES // step.columns)
         parts = []
@@ -441,6 +465,16 @@ class SparseLatentAttention:
             return self.dense.run(q_nope, q_pe, ckv_layer, kpe_layer, kv_b)
         if selection is None:
             raise ValueError("a sparse step's attention needs the indexer's selection")
+        if self._rows is None:
+            return self._sparse(q_nope, q_pe, ckv_layer, kpe_layer, kv_b, selection)
+        dense, sparse = self._rows
+        out = q_nope.new_empty(*q_nope.shape[:2], self.dense.shape.value_dim)
+        out[dense] = self.dense.run(q_nope[dense], q_pe[dense], ckv_layer, kpe_layer, kv_b)
+        out[sparse] = self._sparse(q_nope[sparse], q_pe[sparse], ckv_layer, kpe_layer, kv_b,
+                                   selection)  # fmt: skip
+        return out
+
+    def _sparse(self, q_nope, q_pe, ckv_layer, kpe_layer, kv_b, selection) -> torch.Tensor:
         nope = self.dense.shape.nope_dim
         latent = self.sparse.run(
             absorb_query(q_nope, kv_b[:, :nope]), q_pe, ckv_layer, kpe_layer, selection
