@@ -12,7 +12,11 @@ import torch
 from safetensors import safe_open
 
 from pegainfer import LLM, SamplingParams
+from pegainfer.core.loading.model_files import read_config
+from pegainfer.core.model_line import ModelContext, RuntimeConfig
+from pegainfer.models.kimi_k2.line import KimiK2Line
 from pegainfer.server.bench import make_checkpoint as mc
+from tests.paged_runner import PagedRunner
 
 SMALL = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
          "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 128,
@@ -80,7 +84,7 @@ def test_quantized_layouts_store_and_serve(tmp_path, shape, expert, attention):
 
 
 def test_depth_and_experts_cut_only_latent_moe_shapes(tmp_path):
-    with pytest.raises(ValueError, match="cut latent-MoE shapes, not 'qwen3-8b'"):
+    with pytest.raises(ValueError, match="apply to latent-MoE shapes, not .qwen3-8b."):
         mc.make_checkpoint("qwen3-8b", tmp_path, num_layers=2)
 
 
@@ -90,3 +94,38 @@ def test_sizes_are_the_published_models():
     kimi = mc.latent_moe_bytes(mc.KIMI_SHAPES["kimi-k2"])
     assert round((kimi - 60 * 4 * 384) / 2 / 1e8) == 10264
     assert round(mc.latent_moe_bytes(mc.DEEPSEEK_SHAPES["deepseek-v2-lite"]) / 1e8) == 314
+
+
+@pytest.mark.usefixtures("small_shapes")
+@pytest.mark.parametrize("shape", ["kimi-k2", "kimi-k2-fp8", "kimi-k2-int4"])
+def test_random_weights_drawn_in_place_serve_a_config_only_checkpoint(tmp_path, shape):
+    """`--no-weights` then `--load-format dummy`: no weight file anywhere, the model built in
+    the checkpoint's layout and its weights drawn on the device (norms 1, the same draw every
+    time), generating finite scores."""
+    mc.make_checkpoint(shape, tmp_path, device="cpu", num_layers=2, num_experts=8, weights=False)
+    assert not list(tmp_path.glob("*.safetensors*"))
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=128, load_format="dummy")
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        runs.append(llm.generate(["Hello"], params)[0].token_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 4
+    ctx = ModelContext(tmp_path, read_config(tmp_path), torch.float32, torch.device("cpu"),
+                       random_weights=True)  # fmt: skip
+    model = KimiK2Line().build_model(ctx)
+    model.init_runtime(RuntimeConfig(block_size=4, max_model_len=128,
+                                     max_num_batched_tokens=128, max_num_seqs=4))  # fmt: skip
+    assert torch.equal(model.norm, torch.ones_like(model.norm))
+    experts = model.layers[1].mlp.experts.gate_up_proj
+    stored = experts if isinstance(experts, torch.Tensor) else experts.stored()[0]
+    assert stored.float().std() > 0
+    logits = PagedRunner(model).step({"a": list(range(40))})["a"]
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_an_unknown_load_format_is_refused():
+    from pegainfer.core.args import EngineArgs
+    from pegainfer.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="load_format must be one of auto, dummy"):
+        EngineArgs(model="x", load_format="pt").validate()

@@ -14,6 +14,7 @@ from typing import Any
 from pegainfer.core.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _arg(default: Any, help: str, flag: str | None = None) -> Any:
@@ -117,6 +118,12 @@ class EngineArgs:
         "their experts' ranks and back (all-to-all).",
     )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
+    load_format: str = _arg(
+        "auto",
+        "auto: read the checkpoint's weights; dummy: draw random weights in place on each "
+        "device instead (config.json and the tokenizer still come from --model-path): real "
+        "speeds at sizes no disk holds, e.g. a full-size MoE with weights generated per rank.",
+    )
 
     def validate(self) -> EngineArgs:
         """Raise `ConfigError` naming the first bad argument; return self when all are good."""
@@ -157,6 +164,10 @@ class EngineArgs:
             raise ConfigError(f"state_checkpoints must be 0 or more, got {self.state_checkpoints}")
         if self.cpu_kv_cache_gib <= 0:
             raise ConfigError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
         return self
 
     def explicit_fields(self) -> set[str]:

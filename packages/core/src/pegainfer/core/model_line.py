@@ -47,7 +47,8 @@ class ModelContext:
     rank (the default: one process holding every weight); `expert_parallel`: a MoE line
     divides its routed experts between the ranks instead of splitting each one's width;
     `data_parallel`: this process's attention rank when each rank serves its own sequences
-    (MoE lines: the routed experts are divided between these ranks, tokens exchanged)."""
+    (MoE lines: the routed experts are divided between these ranks, tokens exchanged);
+    `random_weights`: the weights are drawn in place, not read from `model_dir`."""
 
     model_dir: Path
     config: dict[str, Any]
@@ -56,6 +57,7 @@ class ModelContext:
     parallel: ParallelGroup = field(default_factory=ParallelGroup)
     expert_parallel: bool = False
     data_parallel: ParallelGroup = field(default_factory=ParallelGroup)
+    random_weights: bool = False
 
 
 @dataclass(frozen=True)

@@ -100,13 +100,16 @@ class WorkerSpec:
     #: The ranks are data-parallel attention ranks (each serves its own sequences), not
     #: tensor-parallel ones.
     data_parallel: bool = False
+    #: Each rank draws its weights in place (`--load-format dummy`).
+    random_weights: bool = False
 
     def context(self, device: torch.device, rank: int, world: int) -> ModelContext:
         """Rank `rank`'s context for building its share of the model."""
         ranks = ParallelGroup(rank, world)
         placement = {"data_parallel" if self.data_parallel else "parallel": ranks}
         return ModelContext(self.model_dir, self.config, self.dtype, device,
-                            expert_parallel=self.expert_parallel, **placement)  # fmt: skip
+                            expert_parallel=self.expert_parallel,
+                            random_weights=self.random_weights, **placement)  # fmt: skip
 
 
 def rank_device(device: str, rank: int) -> torch.device:

@@ -194,7 +194,8 @@ class EngineCore:
         self.ranks: TensorParallelRanks | None = None
         self.runner: ModelRunner | None = None  # once the model is built
         spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device),
-                          args.enable_expert_parallel, args.data_parallel_size > 1)  # fmt: skip
+                          args.enable_expert_parallel, args.data_parallel_size > 1,
+                          args.load_format == "dummy")  # fmt: skip
         world = args.tensor_parallel_size * args.data_parallel_size
         if world > 1:
             self._check_parallel(args, device, world)

@@ -337,7 +337,7 @@ def build_and_load(make: Callable[[], M], ctx: ModelContext) -> M:
     init; parameters made with a dtype of their own keep it: a quantized layer's, a router's
     float32 correction bias), given storage on `ctx.device`, then filled from the checkpoint
     through the model's `checkpoint_name_map` (quantized layers as `quantization_config`
-    says: `core.quant`)."""
+    says: `core.quant`), or with random values in place (`ctx.random_weights`)."""
     with torch.device("meta"):
         model = make().to(ctx.dtype)
     _restore_kept_dtypes(model)
@@ -350,8 +350,13 @@ def build_and_load(make: Callable[[], M], ctx: ModelContext) -> M:
             "load quantized checkpoints"
         )
     allocate_parameters(model, ctx.device)
-    load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map,
-                 scheme=scheme)  # fmt: skip
+    if ctx.random_weights:
+        from pegainfer.core.loading.random_fill import fill_random
+
+        fill_random(model)
+    else:
+        load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map,
+                     scheme=scheme)  # fmt: skip
     from pegainfer.core.model_line import Model  # model_line imports this module's importers
 
     if isinstance(model, Model):

