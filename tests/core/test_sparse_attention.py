@@ -74,6 +74,27 @@ def test_top_k_slots_hold_each_rows_best_keys():
         assert slots[t, :n].tolist() == expected
 
 
+def test_top_k_slots_over_columns_past_every_table():
+    """Scores wider than any block table (a graph's fixed width), with more wanted keys than a
+    row sees: the hidden columns' picks stay in the tables (they raised an out-of-range index,
+    on CUDA a device-side assert), and the visible picks are unchanged."""
+    batch, tables, block_tables, seq_of_row, g = paged_step([20, 0], [3, 9])
+    k_layer = torch.randn(NUM_BLOCKS, BLOCK, DIM, generator=g)
+    q = torch.randn(12, HEADS, DIM, generator=g)
+    w = torch.randn(12, HEADS, generator=g).abs()
+    visible = batch.positions + 1
+    columns = block_tables.shape[1] * BLOCK + 3 * BLOCK
+    scores = sparse_attention.indexer_scores(q, w, k_layer, block_tables, seq_of_row, visible,
+                                             columns, SCALE)  # fmt: skip
+    slots = sparse_attention.top_k_slots(scores, columns, block_tables, seq_of_row, BLOCK)
+    assert slots.shape == (12, columns)
+    for t in range(12):
+        table, n = tables[seq_of_row[t]], int(visible[t])
+        best = scores[t].topk(n).indices
+        assert slots[t, :n].tolist() == [table[p // BLOCK] * BLOCK + p % BLOCK
+                                         for p in best.tolist()]  # fmt: skip
+
+
 def test_sparse_attention_over_every_key_equals_dense_mla():
     """Sequences no longer than top_k: an eager step attends dense MLA (no scoring), a decode
     batch planned as a graph's attends sparse over the indexer's selection of every key; both

@@ -57,12 +57,14 @@ def top_k_slots(
     block_size: int,
 ) -> torch.Tensor:
     """The cache slots of each row's `min(top_k, columns)` best-scoring keys, best first:
-    [rows, k] int32 (torch.topk: on the device where the scores are)."""
+    [rows, k] int32 (torch.topk: on the device where the scores are). Past a row's visible
+    keys the picks are hidden columns (-inf), which may lie beyond its table: they map into
+    its last page, and whoever reads the slots reads only the visible count."""
     k = min(top_k, scores.shape[1])
     positions = scores.topk(k, dim=-1).indices
     pages = block_tables.shape[1]
-    flat = seq_of_row.long()[:, None] * pages + torch.div(positions, block_size,
-                                                          rounding_mode="floor")  # fmt: skip
+    page = torch.div(positions, block_size, rounding_mode="floor").clamp(max=pages - 1)
+    flat = seq_of_row.long()[:, None] * pages + page
     blocks = block_tables.reshape(-1)[flat].long()
     return (blocks * block_size + positions % block_size).to(torch.int32)
 
