@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
+from pegainfer.core.latent_moe.random_weights import LINEAR_LAYERS
 from pegainfer.core.ops.quant import dequantize_int4_group
 from pegainfer.core.quant.linear import QuantLinear
 from pegainfer.core.quant.scheme import Fp8Block, Int4Group
@@ -41,12 +42,10 @@ FP8 = FP8_BLOCK_CONFIG | {"weight_block_size": [32, 32]}
 # Kimi-K2-Thinking's ignore list: attention, shared experts, dense MLPs and the head stay bf16.
 INT4 = int4_config(["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
                     r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"])  # fmt: skip
-LINEAR = {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-          "gate_proj", "up_proj", "down_proj"}  # fmt: skip
 
 
 def is_linear(module: str) -> bool:
-    return module.startswith("model.layers.") and module.rpartition(".")[2] in LINEAR
+    return module.startswith("model.layers.") and module.rpartition(".")[2] in LINEAR_LAYERS
 
 
 @pytest.fixture(scope="module", params=["fp8", "int4"])
