@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from pegainfer.core.model_line import Model
 from pegainfer.core.ops import quant as ref
 from pegainfer.core.quant.scheme import INT4_SHAPE_SUFFIX, Fp8Block, Int4Group, parse_quantization
+from tests.paged_runner import PagedRunner
 
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}  # fmt: skip
@@ -98,3 +100,14 @@ def hf_fp8_ceil_blocks() -> Iterator[None]:
         yield
     finally:
         Fp8Dequantize._dequantize_one = original
+
+
+def assert_equals_the_dequantized_twin(
+    quantized: Model, twin: Model, original: Model, tokens: list[int]
+) -> None:
+    """A model on quantized weights computes bit for bit what one on their exact
+    dequantization (`twin`) does, and not what the unquantized `original` does (else the
+    comparisons with transformers could pass on the original weights)."""
+    logits = PagedRunner(quantized).step({"a": tokens})["a"]
+    assert torch.equal(logits, PagedRunner(twin).step({"a": tokens})["a"])
+    assert (logits - PagedRunner(original).step({"a": tokens})["a"]).abs().max() > 1e-3

@@ -29,6 +29,7 @@ from tests.paged_runner import (
 )
 from tests.quant_checkpoints import (
     FP8_BLOCK_CONFIG,
+    assert_equals_the_dequantized_twin,
     hf_fp8_ceil_blocks,
     int4_config,
     quantize_checkpoint,
@@ -117,21 +118,8 @@ def test_chunked_decode_and_mixed_equal_transformers(models):
 
 
 def test_equals_the_dequantized_weights_exactly(checkpoints, models):
-    _, _, dequantized = checkpoints
+    _, quantized, dequantized = checkpoints
     ours, _ = models
-    plain = load_ours(dequantized)
-    assert not isinstance(plain.layers[1].mlp.experts.gate_up_proj, QuantLinear)
-    tokens = random_tokens(33, 5, VOCAB)
-    a = PagedRunner(ours).step({"a": tokens})["a"]
-    assert torch.equal(a, PagedRunner(plain).step({"a": tokens})["a"])
-
-
-def test_quantization_changes_the_logits(checkpoints, models):
-    """Guard: the quantized weights are not the original ones (the comparisons above could not
-    pass by loading the unquantized checkpoint)."""
-    _, quantized, _ = checkpoints
-    ours, _ = models
-    original = load_ours(quantized.parent / "bf16")
-    tokens = random_tokens(16, 9, VOCAB)
-    logits = PagedRunner(ours).step({"a": tokens})["a"]
-    assert (logits - PagedRunner(original).step({"a": tokens})["a"]).abs().max() > 1e-3
+    twin, original = load_ours(dequantized), load_ours(quantized.parent / "bf16")
+    assert not isinstance(twin.layers[1].mlp.experts.gate_up_proj, QuantLinear)
+    assert_equals_the_dequantized_twin(ours, twin, original, random_tokens(33, 5, VOCAB))

@@ -12,6 +12,8 @@ from torch import nn
 
 from pegainfer.core.loading.weights import empty_param
 from pegainfer.core.ops.interleaved_rope import InterleavedRope, rotate_interleaved
+from pegainfer.core.quant.linear import linear, linear_weight
+from pegainfer.core.quant.scheme import QuantScheme, WeightFormat
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.glm5.config import Glm5Config
 
@@ -26,14 +28,20 @@ def _rotate_front(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: Glm5Config) -> None:
+    def __init__(self, cfg: Glm5Config, scheme: QuantScheme | None, name: str) -> None:
+        """`scheme`: how the checkpoint stores the projections of the indexer `name` (its
+        checkpoint name). The head weights are never quantized: transformers and vLLM build
+        them unquantized, and transformers keeps them in float32 (and runs them so)."""
         super().__init__()
         self.heads, self.dim = cfg.index_heads, cfg.index_head_dim
-        self.wq_b = empty_param(self.heads * self.dim, cfg.q_lora_rank)
-        self.wk = empty_param(self.dim, cfg.hidden_size)
+
+        def fmt(module: str) -> WeightFormat | None:
+            return None if scheme is None else scheme.format_for(f"{name}.{module}")
+
+        self.wq_b = linear_weight(self.heads * self.dim, cfg.q_lora_rank, fmt("wq_b"))
+        self.wk = linear_weight(self.dim, cfg.hidden_size, fmt("wk"))
         self.k_norm_weight = empty_param(self.dim)
         self.k_norm_bias = empty_param(self.dim)
-        # transformers keeps the head weights in float32 (and runs them so).
         self.weights_proj = empty_param(self.heads, cfg.hidden_size, dtype=torch.float32)
 
     def forward(
@@ -49,8 +57,8 @@ class Indexer(nn.Module):
         keys into k_layer [blocks, block_size, dim] at their slots."""
         tokens = x.shape[0]
         cos, sin = rope.cos[batch.positions], rope.sin[batch.positions]
-        q = _rotate_front(F.linear(q_lora, self.wq_b).view(tokens, self.heads, self.dim), cos, sin)
-        k = F.layer_norm(F.linear(x, self.wk), (self.dim,), self.k_norm_weight, self.k_norm_bias,
+        q = _rotate_front(linear(q_lora, self.wq_b).view(tokens, self.heads, self.dim), cos, sin)
+        k = F.layer_norm(linear(x, self.wk), (self.dim,), self.k_norm_weight, self.k_norm_bias,
                          KEY_NORM_EPS)  # fmt: skip
         k = _rotate_front(k[:, None], cos, sin)[:, 0]
         k_layer.view(-1, self.dim)[batch.slot_mapping] = k.to(k_layer.dtype)

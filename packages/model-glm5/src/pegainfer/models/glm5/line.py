@@ -8,6 +8,7 @@ from typing import Any
 
 from pegainfer.core.loading.weights import build_and_load
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.quant.scheme import parse_quantization
 
 
 class Glm5Line(ModelLine):
@@ -25,9 +26,11 @@ class Glm5Line(ModelLine):
         from pegainfer.models.glm5.config import Glm5Config
         from pegainfer.models.glm5.model import Glm5ForCausalLM
 
-        cfg = Glm5Config.from_dict(ctx.config)
+        cfg, scheme = Glm5Config.from_dict(ctx.config), parse_quantization(ctx.config)
         return build_and_load(
-            lambda: Glm5ForCausalLM(cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel),
+            lambda: Glm5ForCausalLM(
+                cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel, scheme
+            ),
             ctx,
         )
 

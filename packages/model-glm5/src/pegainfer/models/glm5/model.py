@@ -33,6 +33,7 @@ from pegainfer.core.layer_ops import layer_ops
 from pegainfer.core.loading.weights import WeightTarget
 from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops.interleaved_rope import InterleavedRope
+from pegainfer.core.quant.scheme import QuantScheme
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.glm5.config import Glm5Config
 from pegainfer.models.glm5.indexer import Indexer
@@ -46,9 +47,12 @@ _INDEXER_TENSORS = {"wq_b.weight": "wq_b", "wk.weight": "wk", "weights_proj.weig
 class SparseAttention(LatentAttention):
     """MLA over the rows' selections; with a `full` indexer, the layer makes its own."""
 
-    def __init__(self, cfg: Glm5Config, group: parallel.ParallelGroup, full: bool) -> None:
-        super().__init__(cfg, group)
-        self.indexer = Indexer(cfg) if full else None
+    def __init__(
+        self, cfg: Glm5Config, group: parallel.ParallelGroup, scheme: QuantScheme | None,
+        layer: str, full: bool,
+    ) -> None:  # fmt: skip
+        super().__init__(cfg, group, scheme, layer)
+        self.indexer = Indexer(cfg, scheme, f"{layer}.self_attn.indexer") if full else None
 
     def forward(
         self,
@@ -78,8 +82,9 @@ class Glm5ForCausalLM(LatentMoEForCausalLM):
     def __init__(
         self, cfg: Glm5Config, group: parallel.ParallelGroup | None = None,
         expert_parallel: bool = False, data_parallel: parallel.ParallelGroup | None = None,
+        scheme: QuantScheme | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(cfg, group, expert_parallel, data_parallel)
+        super().__init__(cfg, group, expert_parallel, data_parallel, scheme)
         self.supports_piecewise_graphs = False
         # Each full layer's place in the index_k arena.
         self.index_slot = {layer: i for i, layer in enumerate(cfg.full_indexer_layers)}
@@ -90,7 +95,8 @@ class Glm5ForCausalLM(LatentMoEForCausalLM):
 
     def attention_layer(self, cfg: LatentMoEConfig, index: int) -> nn.Module:
         assert isinstance(cfg, Glm5Config)
-        return SparseAttention(cfg, self.group, cfg.indexer_types[index] == "full")
+        full = cfg.indexer_types[index] == "full"
+        return SparseAttention(cfg, self.group, self.scheme, self.layer_name(index), full)
 
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
         cfg, dtype = self.cfg, self.embed_tokens.dtype
