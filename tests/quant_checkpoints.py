@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pegainfer.core.model_line import Model
@@ -111,3 +112,13 @@ def assert_equals_the_dequantized_twin(
     logits = PagedRunner(quantized).step({"a": tokens})["a"]
     assert torch.equal(logits, PagedRunner(twin).step({"a": tokens})["a"])
     assert (logits - PagedRunner(original).step({"a": tokens})["a"]).abs().max() > 1e-3
+
+
+def stored_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a sharded checkpoint stores, by name, as stored."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(path / file, "pt") as f:
+            tensors |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    return tensors

@@ -5,11 +5,9 @@ so the shapes here are Kimi's structure at a small width."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.core.loading.model_files import read_config
@@ -17,6 +15,7 @@ from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.models.kimi_k2.line import KimiK2Line
 from pegainfer.server.bench import make_checkpoint as mc
 from tests.paged_runner import PagedRunner
+from tests.quant_checkpoints import stored_tensors
 
 SMALL = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
          "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 128,
@@ -33,15 +32,6 @@ def small_shapes(monkeypatch):
         monkeypatch.setitem(mc.LATENT_MOE_SHAPES, name, small)
 
 
-def stored(path: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    tensors = {}
-    for file in sorted(set(index["weight_map"].values())):
-        with safe_open(path / file, "pt") as f:
-            tensors |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    return tensors
-
-
 @pytest.mark.usefixtures("small_shapes")
 def test_bf16_cut_to_depth_and_experts_with_the_published_config(tmp_path):
     mc.make_checkpoint(
@@ -51,7 +41,7 @@ def test_bf16_cut_to_depth_and_experts_with_the_published_config(tmp_path):
     assert (config["num_hidden_layers"], config["n_routed_experts"]) == (3, 16)
     assert config["model_type"] == "kimi_k2" and config["topk_method"] == "noaux_tc"
     assert (config["num_experts_per_tok"], config["routed_scaling_factor"]) == (8, 2.827)
-    tensors = stored(tmp_path)
+    tensors = stored_tensors(tmp_path)
     assert "model.layers.2.mlp.experts.15.down_proj.weight" in tensors
     assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     total = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -70,7 +60,7 @@ def test_bf16_cut_to_depth_and_experts_with_the_published_config(tmp_path):
 ])  # fmt: skip
 def test_quantized_layouts_store_and_serve(tmp_path, shape, expert, attention):
     mc.make_checkpoint(shape, tmp_path, device="cpu", num_shards=2, num_layers=2, num_experts=8)
-    tensors = stored(tmp_path)
+    tensors = stored_tensors(tmp_path)
     layer = "model.layers.1."
     for suffix, dtype in expert.items():
         assert tensors[f"{layer}mlp.experts.7.gate_proj.{suffix}"].dtype == dtype

@@ -80,16 +80,18 @@ def random_weights(
 
 
 def quantize_linear_layers(
-    tensors: dict[str, torch.Tensor], scheme: QuantScheme
-) -> dict[str, torch.Tensor]:
-    """`tensors` with each decoder linear layer's weight that `scheme` quantizes replaced by
-    its stored tensors (FP8: `weight` and `weight_scale_inv`; INT4: `weight_packed`,
-    `weight_scale` and `weight_shape`), quantized as the published checkpoints are."""
+    tensors: dict[str, torch.Tensor], scheme: QuantScheme,
+    layers: frozenset[str] = LINEAR_LAYERS,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """`tensors` with each linear layer's weight (`layers`: their last names; the decoder's
+    by default) that `scheme` quantizes replaced by its stored tensors (FP8: `weight` and
+    `weight_scale_inv`; INT4: `weight_packed`, `weight_scale` and `weight_shape`), quantized
+    as the published checkpoints are."""
     out = {}
     for name, tensor in tensors.items():
         module, _, leaf = name.rpartition(".")
         layer = module.rpartition(".")[2]
-        fmt = scheme.format_for(module) if leaf == "weight" and layer in LINEAR_LAYERS else None
+        fmt = scheme.format_for(module) if leaf == "weight" and layer in layers else None
         if fmt is None:
             out[name] = tensor
             continue

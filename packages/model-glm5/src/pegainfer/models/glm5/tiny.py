@@ -15,12 +15,20 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from pegainfer.core.latent_moe.random_weights import random_weights
+from pegainfer.core.latent_moe.random_weights import (
+    LINEAR_LAYERS,
+    quantize_linear_layers,
+    random_weights,
+)
+from pegainfer.core.quant.scheme import parse_quantization
 from pegainfer.core.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.core.tiny import save_sharded
 from pegainfer.models.glm5.config import Glm5Config
 
 SPECIAL_TOKENS = ["[gMASK]", "<|endoftext|>", "<|user|>", "<|assistant|>"]
+# The indexer's linear layers a quantized checkpoint stores quantized (its head weights stay
+# unquantized, as the model builds them).
+INDEXER_LINEAR = frozenset({"wq_b", "wk"})
 CHAT_TEMPLATE = (
     "[gMASK]{% for message in messages %}<|{{ message.role }}|>{{ message.content }}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -93,10 +101,14 @@ def indexer_weights(
 
 
 def write_tiny_glm5(
-    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu", **overrides: Any
-) -> None:
+    out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu",
+    weights: bool = True, **overrides: Any,
+) -> None:  # fmt: skip
     """Write the checkpoint; `device` is where the random weights are drawn (a GPU is much
-    faster at real sizes), `overrides` replace config.json fields."""
+    faster at real sizes), `overrides` replace config.json fields (a `quantization_config`
+    stores the decoder's and the indexers' linear layers so: GLM-5-FP8's layout). `weights`
+    False: config and tokenizer only, for `--load-format dummy`, which draws the weights in
+    place."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(
@@ -110,9 +122,12 @@ def write_tiny_glm5(
     bos, eos = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS[:2])
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64
     config = default_config(vocab_size, bos=bos, eos=eos) | overrides
-    dtype = getattr(torch, config["torch_dtype"])
-    cfg = Glm5Config.from_dict(config)
-    tensors = random_weights(cfg, seed, device=device, dtype=dtype)
-    tensors |= indexer_weights(cfg, seed, device=device, dtype=dtype)
-    save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+    cfg, scheme = Glm5Config.from_dict(config), parse_quantization(config)
+    if weights:
+        dtype = getattr(torch, config["torch_dtype"])
+        tensors = random_weights(cfg, seed, device=device, dtype=dtype)
+        tensors |= indexer_weights(cfg, seed, device=device, dtype=dtype)
+        if scheme is not None:
+            tensors = quantize_linear_layers(tensors, scheme, LINEAR_LAYERS | INDEXER_LINEAR)
+        save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -11,7 +11,8 @@ ids reach past its 102,400-row embedding; Kimi-K2 its line's tiny one in Kimi's 
 Kimi-K2 comes in its three published layouts (bf16 weights; Kimi-K2-Instruct's FP8 with
 128x128 block scales; Kimi-K2-Thinking's INT4 routed experts), at its real widths, and
 `--num-layers` / `--num-experts` cut its depth and its routed experts (its full size does not
-fit a disk: a run's share, e.g. one EP8 rank's 48 experts at full depth, does).
+fit a disk: a run's share, e.g. one EP8 rank's 48 experts at full depth, does). GLM-5 likewise,
+in bf16 and in GLM-5-FP8's layout.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ _KIMI_K2 = {
     "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.827,
     "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
 }  # fmt: skip
+# Kimi-K2-Instruct's and GLM-5-FP8's quantization.
 _KIMI_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
              "weight_block_size": [128, 128]}  # fmt: skip
 # Kimi-K2-Thinking's: compressed-tensors INT4 groups of 32, the routed experts only.
@@ -126,8 +128,26 @@ KIMI_SHAPES: dict[str, dict[str, Any]] = {
     "kimi-k2-fp8": _KIMI_K2 | {"quantization_config": _KIMI_FP8},
     "kimi-k2-int4": _KIMI_K2 | {"quantization_config": _KIMI_INT4},
 }
+# GLM-5 (models.md 2.5): MLA with DeepSeek sparse attention (32 index heads of 128, the top
+# 2,048 keys), 3 dense layers then 75 of 256 routed experts; GLM-5-FP8 stores every linear
+# layer, the indexer's query and key projections included, in 128x128 FP8 blocks.
+_GLM5 = {
+    "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "first_k_dense_replace": 3, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
+    "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+}  # fmt: skip
+GLM5_SHAPES: dict[str, dict[str, Any]] = {
+    "glm5": _GLM5,
+    "glm5-fp8": _GLM5 | {"quantization_config": _KIMI_FP8},
+}
 # Shapes whose depth and routed experts `--num-layers` / `--num-experts` may cut.
-LATENT_MOE_SHAPES = {**DEEPSEEK_SHAPES, **KIMI_SHAPES}
+LATENT_MOE_SHAPES = {**DEEPSEEK_SHAPES, **KIMI_SHAPES, **GLM5_SHAPES}
 VOCAB_SIZE = 151936  # embedding rows: the 151,669 tokens padded up, as in the real checkpoints
 BOS_TOKEN_ID = 151643  # <|endoftext|>
 EOS_TOKEN_ID = 151645  # <|im_end|>
@@ -157,6 +177,13 @@ def write_weights(
 
         config = KIMI_SHAPES[shape] | (overrides or {})
         write_tiny_kimi(out_dir, seed=seed, num_shards=num_shards, device=device,
+                        weights=weights, **config)  # fmt: skip
+        return
+    if shape in GLM5_SHAPES:
+        from pegainfer.models.glm5.tiny import write_tiny_glm5
+
+        config = GLM5_SHAPES[shape] | (overrides or {})
+        write_tiny_glm5(out_dir, seed=seed, num_shards=num_shards, device=device,
                         weights=weights, **config)  # fmt: skip
         return
     if shape in QWEN35_SHAPES:
@@ -202,7 +229,12 @@ def latent_moe_bytes(config: dict[str, Any]) -> int:
     mlps = dense * 3 * h * config["intermediate_size"] + (layers - dense) * moe
     head = 1 if config.get("tie_word_embeddings") else 2
     bf16 = layers * attention + mlps + head * config["vocab_size"] * h + h
-    return 2 * bf16 + (layers - dense) * bias
+    # GLM-5's indexer in every layer (the sparse-attention shapes): query and key projections,
+    # the key's LayerNorm, and the head weights in float32.
+    index_heads, index_dim = config.get("index_n_heads", 0), config.get("index_head_dim", 0)
+    bf16 += layers * (index_heads * index_dim * (q_lora or 0) + index_dim * h + 2 * index_dim)
+    fp32 = layers * index_heads * h
+    return 2 * bf16 + 4 * fp32 + (layers - dense) * bias
 
 
 def checkpoint_bytes(config: dict[str, Any]) -> int:
@@ -226,8 +258,8 @@ def make_checkpoint(
     num_experts: int | None = None,
     weights: bool = True,
 ) -> None:
-    """Write the `shape` checkpoint (a key of SHAPES, QWEN35_SHAPES, DEEPSEEK_SHAPES or
-    KIMI_SHAPES) into `out_dir`; a latent-MoE shape with `num_layers` layers and
+    """Write the `shape` checkpoint (a key of SHAPES, QWEN35_SHAPES, DEEPSEEK_SHAPES,
+    KIMI_SHAPES or GLM5_SHAPES) into `out_dir`; a latent-MoE shape with `num_layers` layers and
     `num_experts` routed experts when given, and without its weight files when `weights` is
     False (`--load-format dummy` draws them in place on each device).
 
@@ -237,7 +269,7 @@ def make_checkpoint(
     `device` draws the weights (default: CUDA when there is one; the CPU needs about 6 bytes of
     memory per parameter and minutes); `num_shards` defaults to the published shard count.
     """
-    known = [*SHAPES, *QWEN35_SHAPES, *DEEPSEEK_SHAPES, *KIMI_SHAPES]
+    known = [*SHAPES, *QWEN35_SHAPES, *LATENT_MOE_SHAPES]
     if shape not in known:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(known)}")
     cuts = {"num_hidden_layers": num_layers, "n_routed_experts": num_experts}
@@ -310,13 +342,19 @@ def add_parser(subparsers: Any) -> None:
         help="copy the tokenizer files of this checkpoint instead of building them",
     )
     parser.add_argument(
-        "--num-layers", type=int, default=None, help="layers of a DeepSeek or Kimi shape"
+        "--num-layers",
+        type=int,
+        default=None,
+        help="layers of a DeepSeek, Kimi or GLM-5 shape",
     )
     parser.add_argument(
-        "--num-experts", type=int, default=None, help="routed experts of a DeepSeek or Kimi shape"
+        "--num-experts",
+        type=int,
+        default=None,
+        help="routed experts of a DeepSeek, Kimi or GLM-5 shape",
     )
     parser.add_argument(
         "--no-weights", dest="weights", action="store_false",
-        help="config and tokenizer only (DeepSeek, Kimi): serve with --load-format dummy",
+        help="config and tokenizer only (DeepSeek, Kimi, GLM-5): serve with --load-format dummy",
     )  # fmt: skip
     parser.set_defaults(run=main)
