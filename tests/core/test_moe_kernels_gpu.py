@@ -94,6 +94,16 @@ def test_dispatch_in_one_program_equals_torchs_sort(monkeypatch, pairs_per_token
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
 
 
+@pytest.fixture(params=["one-program", "logits-grid"])
+def router_path(request, monkeypatch):
+    """Both routing kernels on every shape: one program per token block (small routers), or
+    the logits over a grid of expert blocks first (large ones, Kimi-K2's)."""
+    limit = 1 << 62 if request.param == "one-program" else 0
+    monkeypatch.setattr(kernels, "_ONE_PROGRAM_ROUTER", limit)
+    return request.param
+
+
+@pytest.mark.usefixtures("router_path")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 16, 333])
 @pytest.mark.parametrize(("experts", "top_k"), [(64, 6), (160, 6), (8, 2)])
@@ -120,6 +130,7 @@ def test_routing_picks_the_references_experts_and_weights(dtype, tokens, experts
 @pytest.mark.parametrize(("experts", "top_k", "hidden"), [(384, 8, 7168), (256, 8, 6144),
                                                           (8, 2, 96)])  # fmt: skip
 @pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.usefixtures("router_path")
 def test_noaux_tc_routing_equals_the_reference(dtype, tokens, experts, top_k, hidden,
                                               normalize):  # fmt: skip
     """Sigmoid scores chosen by score + correction bias, weighed by the plain score."""

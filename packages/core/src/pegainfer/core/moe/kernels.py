@@ -142,25 +142,27 @@ def _down_kernel(
 
 
 @triton.jit
-def _route_kernel(
-    x, gate, bias, weights, experts, tokens, hidden_size, num_experts, scaling, stride_x,
-    TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
-    NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < tokens
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < num_experts
+def _router_logits(x, gate, rows, row_ok, cols, col_ok, hidden_size, stride_x,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr):  # fmt: skip
+    """Router logits [BLOCK_T, BLOCK_E] of token rows `rows` for experts `cols`, in float32."""
     logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden_size
         a = tl.load(x + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(gate + cols[None, :] * hidden_size + ks[:, None],
+        b = tl.load(gate + cols[None, :].to(tl.int64) * hidden_size + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         logits += _dot(a, b, IEEE)
+    return logits
+
+
+@triton.jit
+def _choose(logits, rows, row_ok, cols, col_ok, bias, weights, experts, scaling,
+            TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
+            NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """Each row's top k experts from its logits over every expert, and their weights."""
     if SIGMOID:  # noaux_tc: choose by the corrected score, weigh by the plain one
         scores = tl.sigmoid(logits)
         correction = tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -188,6 +190,62 @@ def _route_kernel(
     tl.store(experts + out, chosen_e, mask=keep)
 
 
+@triton.jit
+def _route_kernel(
+    x, gate, bias, weights, experts, tokens, hidden_size, num_experts, scaling, stride_x,
+    TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """A small router: one program per block of tokens computes its logits and chooses."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < tokens
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < num_experts
+    logits = _router_logits(x, gate, rows, row_ok, cols, col_ok, hidden_size, stride_x,
+                            BLOCK_T, BLOCK_E, BLOCK_K, IEEE)  # fmt: skip
+    _choose(logits, rows, row_ok, cols, col_ok, bias, weights, experts, scaling, TOP_K,
+            TOP_K_TILE, SIGMOID, NORMALIZE, BLOCK_T)  # fmt: skip
+
+
+@triton.jit
+def _logits_kernel(
+    x, gate, logits, tokens, hidden_size, num_experts, stride_x,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """A large router's logits: one program per (block of tokens, block of experts)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < tokens
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    col_ok = cols < num_experts
+    acc = _router_logits(x, gate, rows, row_ok, cols, col_ok, hidden_size, stride_x,
+                         BLOCK_T, BLOCK_E, BLOCK_K, IEEE)  # fmt: skip
+    tl.store(logits + rows[:, None].to(tl.int64) * num_experts + cols[None, :], acc,
+             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _choose_kernel(
+    logits, bias, weights, experts, tokens, num_experts, scaling,
+    TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < tokens
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < num_experts
+    tile = tl.load(logits + rows[:, None].to(tl.int64) * num_experts + cols[None, :],
+                   mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+    _choose(tile, rows, row_ok, cols, col_ok, bias, weights, experts, scaling, TOP_K,
+            TOP_K_TILE, SIGMOID, NORMALIZE, BLOCK_T)  # fmt: skip
+
+
+# Routers up to this many elements (V2-Lite's 64 x 2048) are read whole by one program per
+# block of tokens; larger ones (Kimi-K2's 384 x 7168: one program would stream 5.5 MB per
+# layer) compute their logits over a grid of expert blocks first, then choose.
+_ONE_PROGRAM_ROUTER = 1 << 20
+
+
 def route(
     x: torch.Tensor, gate: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,17 +261,38 @@ def route(
         raise ValueError("x rows and the router matrix must be contiguous")
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     experts = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    if tokens == 0:
+        return weights, experts
     block_t, block_e = 16, max(16, triton.next_power_of_2(num_experts))
-    # A decode step's one program walks all of `hidden_size`: long steps along k keep it
-    # short (64 wide took 15 us per layer at V2-Lite's shapes on the H200); the router tile
-    # stays at 16k elements.
-    block_k = max(32, min(256, 16384 // block_e))
-    _route_kernel[(triton.cdiv(tokens, block_t),)](
-        x, gate, correction_bias, weights, experts, tokens, hidden_size, num_experts,
-        routing.scaling, x.stride(0),
-        TOP_K=top_k, TOP_K_TILE=max(2, triton.next_power_of_2(top_k)),
-        SIGMOID=routing.corrected, NORMALIZE=routing.normalize, BLOCK_T=block_t,
-        BLOCK_E=block_e, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+    ieee = x.dtype == torch.float32
+    choice = {
+        "TOP_K": top_k,
+        "TOP_K_TILE": max(2, triton.next_power_of_2(top_k)),
+        "SIGMOID": routing.corrected,
+        "NORMALIZE": routing.normalize,
+        "BLOCK_T": block_t,
+    }
+    token_blocks = triton.cdiv(tokens, block_t)
+    if num_experts * hidden_size <= _ONE_PROGRAM_ROUTER:
+        # A decode step's one program walks all of `hidden_size`: long steps along k keep it
+        # short (64 wide took 15 us per layer at V2-Lite's shapes on the H200); the router
+        # tile stays at 16k elements.
+        block_k = max(32, min(256, 16384 // block_e))
+        _route_kernel[(token_blocks,)](
+            x, gate, correction_bias, weights, experts, tokens, hidden_size, num_experts,
+            routing.scaling, x.stride(0), BLOCK_E=block_e, BLOCK_K=block_k, IEEE=ieee,
+            **choice,
+        )  # fmt: skip
+        return weights, experts
+    logits = torch.empty(tokens, num_experts, dtype=torch.float32, device=x.device)
+    logit_block_e = 32
+    _logits_kernel[(token_blocks, triton.cdiv(num_experts, logit_block_e))](
+        x, gate, logits, tokens, hidden_size, num_experts, x.stride(0),
+        BLOCK_T=block_t, BLOCK_E=logit_block_e, BLOCK_K=256, IEEE=ieee,
+    )  # fmt: skip
+    _choose_kernel[(token_blocks,)](
+        logits, correction_bias, weights, experts, tokens, num_experts, routing.scaling,
+        BLOCK_E=block_e, **choice,
     )  # fmt: skip
     return weights, experts
 
