@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from pegainfer.models.kimi_k2.line import KimiK2Line
 from pegainfer.models.kimi_k2.model import KimiK2ForCausalLM
@@ -79,3 +80,21 @@ def load_hf(path: Path) -> transformers.DeepseekV3ForCausalLM:
     )
     assert not any(info.values()), info
     return hf.eval()
+
+
+def wrap_as_k25(text_model: Path, out: Path) -> Path:
+    """Checkpoint `text_model` in K2.5/K2.6's vision-language layout: its config (with any
+    quantization_config) nested as `text_config`, its tensors under `language_model.`, beside
+    vision tensors a text server leaves unread."""
+    tensors = {
+        f"language_model.{k}": v for k, v in load_file(text_model / "model.safetensors").items()
+    }
+    norm = tensors["language_model.model.norm.weight"]
+    tensors |= {"vision_tower.patch_embed.weight": norm, "mm_projector.proj.0.weight": norm}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.clone() for k, v in tensors.items()}, out / "model.safetensors")
+    text = json.loads((text_model / "config.json").read_text())
+    config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+              "text_config": text, "vision_config": {"model_type": "moonvit"}}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.models.kimi_k2.line import KimiK2Line
-from tests.kimi_k2.hf_reference import load_hf, load_ours, write_hf_checkpoint
+from tests.kimi_k2.hf_reference import load_hf, load_ours, wrap_as_k25, write_hf_checkpoint
 from tests.paged_runner import PagedRunner, assert_close, hf_logits, random_tokens
 
 TEXT = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
@@ -56,18 +55,7 @@ def test_k25_text_weights_under_their_prefix(tmp_path):
     """The text model's config nested in `text_config`, its tensors under `language_model.`,
     beside vision tensors the line leaves unread: the logits of the plain checkpoint."""
     plain = write_hf_checkpoint(tmp_path / "plain")
-    wrapped = tmp_path / "k25"
-    wrapped.mkdir()
-    tensors = {f"language_model.{k}": v for k, v in load_file(plain / "model.safetensors").items()}
-    tensors |= {
-        "vision_tower.patch_embed.weight": tensors["language_model.model.norm.weight"],
-        "mm_projector.proj.0.weight": tensors["language_model.model.norm.weight"],
-    }
-    save_file({k: v.clone() for k, v in tensors.items()}, wrapped / "model.safetensors")
-    text = json.loads((plain / "config.json").read_text())
-    config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
-              "text_config": text, "vision_config": {"model_type": "moonvit"}}  # fmt: skip
-    (wrapped / "config.json").write_text(json.dumps(config))
+    wrapped = wrap_as_k25(plain, tmp_path / "k25")
     tokens = random_tokens(21, 5, 300)
     expected = hf_logits(load_hf(plain), tokens)
     assert_close(PagedRunner(load_ours(wrapped)).step({"a": tokens})["a"], expected)

@@ -6,6 +6,7 @@ fixed), and equals our model on the exactly dequantized weights bit for bit."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from pegainfer.core.latent_moe.random_weights import LINEAR_LAYERS
 from pegainfer.core.ops.quant import dequantize_int4_group
 from pegainfer.core.quant.linear import QuantLinear
 from pegainfer.core.quant.scheme import Fp8Block, Int4Group
-from tests.kimi_k2.hf_reference import VOCAB, load_hf, load_ours, write_hf_checkpoint
+from tests.kimi_k2.hf_reference import VOCAB, load_hf, load_ours, wrap_as_k25, write_hf_checkpoint
 from tests.paged_runner import (
     PagedRunner,
     assert_close,
@@ -123,3 +124,19 @@ def test_equals_the_dequantized_weights_exactly(checkpoints, models):
     twin, original = load_ours(dequantized), load_ours(quantized.parent / "bf16")
     assert not isinstance(twin.layers[1].mlp.experts.gate_up_proj, QuantLinear)
     assert_equals_the_dequantized_twin(ours, twin, original, random_tokens(33, 5, VOCAB))
+
+
+def test_k25s_nested_int4_config_and_prefixed_weights(tmp_path):
+    """K2.5/K2.6's layout: the INT4 quantization_config inside `text_config` (its ignore list as
+    models.md gives it: `re:.*lm_head.*`), the text weights under `language_model.`: the same
+    logits as the checkpoint unwrapped."""
+    config = INT4 | {"ignore": [*INT4["ignore"][1:], "re:.*lm_head.*"]}
+    source = write_hf_checkpoint(tmp_path / "bf16", **FP8_WIDTHS)
+    quantize_checkpoint(source, tmp_path / "int4", config, is_linear)
+    wrapped = wrap_as_k25(tmp_path / "int4", tmp_path / "k25")
+    assert "quantization_config" in json.loads((wrapped / "config.json").read_text())["text_config"]
+    ours = load_ours(wrapped)
+    assert isinstance(ours.layers[1].mlp.experts.gate_up_proj, QuantLinear)
+    tokens = random_tokens(21, 5, VOCAB)
+    expected = PagedRunner(load_ours(tmp_path / "int4")).step({"a": tokens})["a"]
+    assert torch.equal(PagedRunner(ours).step({"a": tokens})["a"], expected)

@@ -41,6 +41,15 @@ class KimiCheckpoint:
         accepted = [*TEXT_MODEL_TYPES, VISION_LANGUAGE_MODEL_TYPE]
         return f"model_type is {model_type!r}, not one of {accepted}"
 
+    def loading_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's `config` as the loader reads it: with the text model's
+        `quantization_config` where the checkpoint keeps it there (K2.5, K2.6) rather than at
+        the top."""
+        nested = self.text_config.get("quantization_config")
+        if nested is None or "quantization_config" in config:
+            return config
+        return config | {"quantization_config": nested}
+
     def model_config(self) -> LatentMoEConfig:
         written = {key: value for key, value in self.text_config.items() if value is not None}
         cfg = LatentMoEConfig.from_dict(V3_ROUTING | written)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class KimiK2Line(ModelLine):
         checkpoint = KimiCheckpoint.of(ctx.config)
         if isinstance(checkpoint, str):
             raise ConfigError(checkpoint)
+        ctx = dataclasses.replace(ctx, config=checkpoint.loading_config(ctx.config))
         cfg, scheme = checkpoint.model_config(), parse_quantization(ctx.config)
         return build_and_load(
             lambda: KimiK2ForCausalLM(
