@@ -166,3 +166,28 @@ def test_fused_moe_at_kimis_widths(tokens):
     ours = kernels.fused_moe(x, weights, experts.int(), gate_up, down)
     ref = moe(x.float(), weights, experts, gate_up.float(), down.float())
     assert rel_err(ours, ref) < 1e-2
+
+
+# DeepSeek-V3's grouped noaux_tc (256 experts in 8 groups, the best 4 kept) and DeepSeek-V2's
+# group-limited greedy (160 experts in 8 groups, the best 3 kept).
+@pytest.mark.usefixtures("router_path")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 16, 333])
+@pytest.mark.parametrize(("scoring", "method", "experts", "top_k", "hidden", "topk_group"), [
+    ("sigmoid", "noaux_tc", 256, 8, 7168, 4), ("softmax", "group_limited_greedy", 160, 6, 5120, 3),
+])  # fmt: skip
+def test_grouped_routing_equals_the_reference(dtype, tokens, scoring, method, experts, top_k,
+                                              hidden, topk_group):  # fmt: skip
+    g = torch.Generator("cuda").manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype)
+    gate = (torch.randn(experts, hidden, device="cuda", generator=g) * 0.05).to(dtype)
+    bias = torch.randn(experts, device="cuda", generator=g) * 0.1 if scoring == "sigmoid" else None
+    routing = Routing(experts, top_k, scoring, method, 8, topk_group,
+                      normalize=scoring == "sigmoid", scaling=2.5)  # fmt: skip
+    ref_w, ref_e = route(x, gate, routing, bias)
+    ours_w, ours_e = kernels.route(x, gate, routing, bias)
+    assert (ours_e.sort(dim=1).values.diff(dim=1) > 0).all()
+    agree = (ours_e.long().sort(dim=1).values == ref_e.sort(dim=1).values).all(dim=1)
+    assert agree.float().mean() > 0.9  # a near-tie may swap an expert or a group
+    torch.testing.assert_close(ours_w.sort(dim=1).values[agree], ref_w.sort(dim=1).values[agree],
+                               rtol=1e-5, atol=1e-6)  # fmt: skip

@@ -1,11 +1,11 @@
 """The fused MoE on the GPU (references: `moe.routing.route`, `moe.experts.moe`): routing,
 sorted token-to-expert dispatch, two grouped GEMMs and the combine, in Triton.
 
-0. Routing (one group of experts): per block of tokens, the router logits (bf16 products are
-   exact in float32, accumulated in float32 as the reference's float32 linear), then softmax
-   scores (greedy) or sigmoid scores plus the correction bias to choose by (noaux_tc), the k
-   best by iterated argmax, their scores (renormalised for noaux_tc's `norm_topk_prob`) times
-   the scaling factor.
+0. Routing: per block of tokens, the router logits (bf16 products are exact in float32,
+   accumulated in float32 as the reference's float32 linear), then softmax scores (greedy) or
+   sigmoid scores plus the correction bias to choose by (noaux_tc), the experts outside the
+   best groups masked (group-limited or grouped noaux_tc), the k best by iterated argmax,
+   their scores (renormalised for noaux_tc's `norm_topk_prob`) times the scaling factor.
 1. Dispatch: the (token, choice) pairs routed to this rank's experts are sorted by expert and
    each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M rows of the sorted
    list belong to one expert (`block_expert`); rows past an expert's pairs hold a sentinel.
@@ -159,9 +159,41 @@ def _router_logits(x, gate, rows, row_ok, cols, col_ok, hidden_size, stride_x,
 
 
 @triton.jit
-def _choose(logits, rows, row_ok, cols, col_ok, bias, weights, experts, scaling,
+def _best_groups(choice, cols, group_size, SIGMOID: tl.constexpr, GROUPS: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """`choice` [BLOCK_T, experts] with the experts outside each row's `TOPK_GROUP` best of
+    `GROUPS` groups masked to -inf: a group scored by the sum of its two best (noaux_tc) or by
+    its best (group-limited greedy)."""
+    group_ids = tl.arange(0, GROUPS)
+    group_scores = tl.zeros((BLOCK_T, GROUPS), dtype=tl.float32)
+    for g in tl.static_range(GROUPS):
+        inside = (cols >= g * group_size) & (cols < (g + 1) * group_size)
+        in_group = tl.where(inside[None, :], choice, -float("inf"))
+        score = tl.max(in_group, axis=1)
+        if SIGMOID:
+            first = tl.argmax(in_group, axis=1)
+            rest = tl.where(cols[None, :] == first[:, None], -float("inf"), in_group)
+            score += tl.max(rest, axis=1)
+        group_scores = tl.where(group_ids[None, :] == g, score[:, None], group_scores)
+    kept = tl.zeros((BLOCK_T, GROUPS), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.argmax(group_scores, axis=1)
+        hit = group_ids[None, :] == best[:, None]
+        kept = tl.where(hit, 1, kept)
+        group_scores = tl.where(hit, -float("inf"), group_scores)
+    keep = tl.zeros_like(choice)
+    for g in tl.static_range(GROUPS):
+        inside = (cols >= g * group_size) & (cols < (g + 1) * group_size)
+        group_kept = tl.sum(tl.where(group_ids[None, :] == g, kept, 0), axis=1) > 0
+        keep = tl.where(inside[None, :] & group_kept[:, None], 1.0, keep)
+    return tl.where(keep > 0, choice, -float("inf"))
+
+
+@triton.jit
+def _choose(logits, rows, row_ok, cols, col_ok, bias, weights, experts, scaling, group_size,
             TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
-            NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+            NORMALIZE: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+            BLOCK_T: tl.constexpr):  # fmt: skip
     """Each row's top k experts from its logits over every expert, and their weights."""
     if SIGMOID:  # noaux_tc: choose by the corrected score, weigh by the plain one
         scores = tl.sigmoid(logits)
@@ -172,6 +204,8 @@ def _choose(logits, rows, row_ok, cols, col_ok, bias, weights, experts, scaling,
         scores = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         scores = scores / tl.sum(scores, axis=1)[:, None]
         choice = tl.where(col_ok[None, :], scores, -float("inf"))
+    if GROUPS > 1:
+        choice = _best_groups(choice, cols, group_size, SIGMOID, GROUPS, TOPK_GROUP, BLOCK_T)
     slots = tl.arange(0, TOP_K_TILE)
     chosen_w = tl.zeros((BLOCK_T, TOP_K_TILE), dtype=tl.float32)
     chosen_e = tl.zeros((BLOCK_T, TOP_K_TILE), dtype=tl.int32)
@@ -193,9 +227,9 @@ def _choose(logits, rows, row_ok, cols, col_ok, bias, weights, experts, scaling,
 @triton.jit
 def _route_kernel(
     x, gate, bias, weights, experts, tokens, hidden_size, num_experts, scaling, stride_x,
-    TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
-    NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    group_size, TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """A small router: one program per block of tokens computes its logits and chooses."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -204,8 +238,8 @@ def _route_kernel(
     col_ok = cols < num_experts
     logits = _router_logits(x, gate, rows, row_ok, cols, col_ok, hidden_size, stride_x,
                             BLOCK_T, BLOCK_E, BLOCK_K, IEEE)  # fmt: skip
-    _choose(logits, rows, row_ok, cols, col_ok, bias, weights, experts, scaling, TOP_K,
-            TOP_K_TILE, SIGMOID, NORMALIZE, BLOCK_T)  # fmt: skip
+    _choose(logits, rows, row_ok, cols, col_ok, bias, weights, experts, scaling, group_size,
+            TOP_K, TOP_K_TILE, SIGMOID, NORMALIZE, GROUPS, TOPK_GROUP, BLOCK_T)  # fmt: skip
 
 
 @triton.jit
@@ -226,9 +260,10 @@ def _logits_kernel(
 
 @triton.jit
 def _choose_kernel(
-    logits, bias, weights, experts, tokens, num_experts, scaling,
+    logits, bias, weights, experts, tokens, num_experts, scaling, group_size,
     TOP_K: tl.constexpr, TOP_K_TILE: tl.constexpr, SIGMOID: tl.constexpr,
-    NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    NORMALIZE: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < tokens
@@ -236,8 +271,8 @@ def _choose_kernel(
     col_ok = cols < num_experts
     tile = tl.load(logits + rows[:, None].to(tl.int64) * num_experts + cols[None, :],
                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-    _choose(tile, rows, row_ok, cols, col_ok, bias, weights, experts, scaling, TOP_K,
-            TOP_K_TILE, SIGMOID, NORMALIZE, BLOCK_T)  # fmt: skip
+    _choose(tile, rows, row_ok, cols, col_ok, bias, weights, experts, scaling, group_size,
+            TOP_K, TOP_K_TILE, SIGMOID, NORMALIZE, GROUPS, TOPK_GROUP, BLOCK_T)  # fmt: skip
 
 
 # Routers up to this many elements (V2-Lite's 64 x 2048) are read whole by one program per
@@ -246,15 +281,23 @@ def _choose_kernel(
 _ONE_PROGRAM_ROUTER = 1 << 20
 
 
+def routes_in_a_kernel(routing: Routing) -> bool:
+    """Whether `route` takes `routing`: its groups tile a power of two (every published one)."""
+    return routing.n_group & (routing.n_group - 1) == 0
+
+
 def route(
     x: torch.Tensor, gate: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`routing.route` for one group of experts (greedy softmax, or noaux_tc with n_group 1):
-    weights [T, k] float32 and experts [T, k] int32 (in no particular order within a row)."""
-    if routing.n_group != 1 or routing.method == "group_limited_greedy":
-        raise ValueError("the routing kernel routes within one group of experts")
+    """`routing.route` (every method: greedy and group-limited softmax, noaux_tc with or without
+    groups): weights [T, k] float32 and experts [T, k] int32 (in no particular order within a
+    row)."""
     if routing.corrected != (correction_bias is not None):
         raise ValueError(f"{routing.method} routing takes a correction bias iff it is noaux_tc")
+    if not routes_in_a_kernel(routing):
+        raise ValueError(
+            f"the routing kernel takes a power of two of groups, not {routing.n_group}"
+        )
     tokens, hidden_size = x.shape
     num_experts, top_k = gate.shape[0], routing.top_k
     if x.stride(1) != 1 or not gate.is_contiguous():
@@ -270,8 +313,11 @@ def route(
         "TOP_K_TILE": max(2, triton.next_power_of_2(top_k)),
         "SIGMOID": routing.corrected,
         "NORMALIZE": routing.normalize,
+        "GROUPS": routing.n_group,
+        "TOPK_GROUP": routing.topk_group,
         "BLOCK_T": block_t,
     }
+    group_size = num_experts // routing.n_group
     token_blocks = triton.cdiv(tokens, block_t)
     if num_experts * hidden_size <= _ONE_PROGRAM_ROUTER:
         # A decode step's one program walks all of `hidden_size`: long steps along k keep it
@@ -280,8 +326,8 @@ def route(
         block_k = max(32, min(256, 16384 // block_e))
         _route_kernel[(token_blocks,)](
             x, gate, correction_bias, weights, experts, tokens, hidden_size, num_experts,
-            routing.scaling, x.stride(0), BLOCK_E=block_e, BLOCK_K=block_k, IEEE=ieee,
-            **choice,
+            routing.scaling, x.stride(0), group_size, BLOCK_E=block_e, BLOCK_K=block_k,
+            IEEE=ieee, **choice,
         )  # fmt: skip
         return weights, experts
     logits = torch.empty(tokens, num_experts, dtype=torch.float32, device=x.device)
@@ -292,7 +338,7 @@ def route(
     )  # fmt: skip
     _choose_kernel[(token_blocks,)](
         logits, correction_bias, weights, experts, tokens, num_experts, routing.scaling,
-        BLOCK_E=block_e, **choice,
+        group_size, BLOCK_E=block_e, **choice,
     )  # fmt: skip
     return weights, experts
 

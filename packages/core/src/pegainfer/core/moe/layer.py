@@ -150,10 +150,11 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, experts [T, k]) of the tokens x [T, H]."""
         routing, bias = self.routing, self.e_score_correction_bias
-        if x.is_cuda and routing.n_group == 1 and routing.method != "group_limited_greedy":
-            from pegainfer.core.moe.kernels import route as route_kernel
+        if x.is_cuda:
+            from pegainfer.core.moe import kernels
 
-            return route_kernel(x, self.gate, routing, bias)
+            if kernels.routes_in_a_kernel(routing):
+                return kernels.route(x, self.gate, routing, bias)
         return route(x, self.gate, routing, bias)
 
     def forward(self, x: torch.Tensor, elementwise: LayerOps, capacity: int) -> torch.Tensor:
