@@ -180,14 +180,17 @@ def build_app(state: ServerState) -> Starlette:
         return _json(await client.run_frontend(detokenized, client, body))
 
     async def health(request: Request) -> Response:
+        """200 while the server can take work; else 503 saying why."""
         client = state.client
-        if client is not None and client.alive and not client.draining:
-            return Response(status_code=200)
         if client is None:
             reason = state.startup_error or "loading"
+        elif not client.alive:
+            reason = "engine stopped"
+        elif client.draining:
+            reason = "shutting down"
         else:
-            reason = "shutting down" if client.alive else "engine stopped"
-        return Response(reason, status_code=503)
+            reason = client.admission_stalled()
+        return Response(status_code=200) if reason is None else Response(reason, status_code=503)
 
     async def metrics(request: Request) -> Response:
         engine = b"" if state.client is None else state.client.metrics.render()

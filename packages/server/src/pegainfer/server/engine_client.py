@@ -53,6 +53,10 @@ _RESERVATION_TTL = 30.0
 
 _SHUTTING_DOWN = "the server is shutting down"
 
+# Seconds every waiting slot may stay held with none given back before /health reports that
+# the server cannot admit work: far longer than any healthy request waits for its first token.
+_STALLED_S = 60.0
+
 # Threads preparing requests: enough to overlap a large request with small ones, few enough
 # that preparation never competes with the event loop for every core.
 _FRONTEND_THREADS = max(2, min(4, (os.cpu_count() or 1) // 2))
@@ -90,6 +94,7 @@ class AsyncEngineClient:
         self._event_loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._waiting: set[str] = set()
+        self._slot_freed_at = time.monotonic()  # when a waiting slot was last given back
         self._reservations: list[Reservation] = []
         self._failed = False
         # Shutdown: draining (no new requests; those in flight may finish), then stopped
@@ -161,13 +166,38 @@ class AsyncEngineClient:
         """
         self._refuse_if_stopped()
         now = time.monotonic()
-        self._reservations = [r for r in self._reservations if now - r.created < _RESERVATION_TTL]
-        held = len(self._waiting) + sum(r.slots for r in self._reservations)
+        held = self._held(now)
         if held + num_requests > self.max_waiting:
             raise ServerBusyError(f"{held} requests are already waiting")
         reservation = Reservation(num_requests, now)
         self._reservations.append(reservation)
         return reservation
+
+    def _held(self, now: float) -> int:
+        """Waiting slots held: by requests before their first token, and by reservations
+        (those past their time freed)."""
+        live = [r for r in self._reservations if now - r.created < _RESERVATION_TTL]
+        if len(live) < len(self._reservations):
+            self._slot_freed_at = now
+        self._reservations = live
+        return len(self._waiting) + sum(r.slots for r in live)
+
+    def admission_stalled(self) -> str | None:
+        """Why this server cannot admit work (None when it can): every waiting slot is held
+        and none has been given back for `_STALLED_S` seconds, so every request gets 503 and
+        will go on getting it. A server merely full for a moment is not stalled."""
+        now = time.monotonic()
+        if self._held(now) < self.max_waiting or now - self._slot_freed_at < _STALLED_S:
+            return None
+        return (
+            f"cannot admit work: all {self.max_waiting} waiting slots held, none given back "
+            f"for {now - self._slot_freed_at:.0f} s"
+        )
+
+    def _free_slot(self, request_id: str) -> None:
+        if request_id in self._waiting:
+            self._waiting.discard(request_id)
+            self._slot_freed_at = time.monotonic()
 
     async def generate(
         self, request: EngineRequest, reservation: Reservation, prompt: str | None = None
@@ -218,7 +248,7 @@ class AsyncEngineClient:
                 yield stream, delta
         finally:
             self._queues.pop(request_id, None)
-            self._waiting.discard(request_id)
+            self._free_slot(request_id)
             if self.draining and not self._queues:
                 self._idle.set()
             if not stream.finished:
@@ -248,7 +278,7 @@ class AsyncEngineClient:
         request_id = stream.request_id
         if output.new_token_ids:
             first = request_id in self._waiting
-            self._waiting.discard(request_id)
+            self._free_slot(request_id)
             self.metrics.record_tokens(len(output.new_token_ids), first=first, latency=now - last)
             last = now
         delta = stream.process(output)
