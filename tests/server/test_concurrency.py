@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
+from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
 import httpx
+import pytest
 from openai import AsyncOpenAI
 
-from tests.server.helpers import PROMPT, metric, metrics, tokenize, wait_until
+from tests.server.conftest import Server, start_server, stop_server
+from tests.server.helpers import PROMPT, Snapshot, metric, metrics, tokenize, wait_until
 
 NUM_STREAMS = 64
 MAX_TOKENS = 12
@@ -18,7 +22,30 @@ LONG = 480  # with a 7-token prompt, close to the 512-token context: never done 
 
 
 def aborts(url: str) -> float:
-    return metric(metrics(url), "vllm:request_success_total", finished_reason="abort")
+    return _aborts(metrics(url))
+
+
+def _aborts(snapshot: Snapshot) -> float:
+    return metric(snapshot, "vllm:request_success_total", finished_reason="abort")
+
+
+def _wait_while_generating(url: str, done: Callable[[Snapshot], bool], what: str,
+                           stalled_s: float = 60.0) -> None:  # fmt: skip
+    """Wait until `done`, however slowly the machine generates: fail only if no token was
+    generated for `stalled_s` seconds, or if a request ran to its length instead."""
+    lengths_before = metric(metrics(url), "vllm:request_success_total", finished_reason="length")
+    tokens, progressed = -1.0, time.monotonic()
+    while True:
+        snapshot = metrics(url)
+        if done(snapshot):
+            return
+        lengths = metric(snapshot, "vllm:request_success_total", finished_reason="length")
+        assert lengths == lengths_before, f"a request ran to its length before {what}"
+        now_tokens = metric(snapshot, "vllm:generation_tokens_total")
+        if now_tokens != tokens:
+            tokens, progressed = now_tokens, time.monotonic()
+        assert time.monotonic() - progressed < stalled_s, f"no progress waiting for {what}"
+        time.sleep(0.2)
 
 
 def idle_after_aborts(url: str, expected_aborts: float) -> bool:
@@ -135,9 +162,29 @@ def test_disconnected_non_streaming_request_is_aborted(server):
     wait_until(lambda: idle_after_aborts(server.url, aborts_before + 1), what="abort to free")
 
 
-def test_a_client_that_stops_reading_has_its_stream_ended(server):
+UNSENT_LIMIT = 512  # --max-unsent-tokens of the slow-reader test's server
+
+
+@pytest.fixture(scope="module")
+def slow_reader_server(tiny_model, tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("slow-reader") / "server.log"
+    running = start_server(tiny_model, log, "--max-model-len", "512", "--max-num-seqs", "64",
+                           "--max-unsent-tokens", str(UNSENT_LIMIT))  # fmt: skip
+    yield running
+    stop_server(running)
+
+
+def test_a_client_that_stops_reading_has_its_stream_ended(slow_reader_server):
     """Nothing bounded what the server buffered for a client that does not read its stream
-    (one n=64, logprobs=20 stream grew the server by 216 MB): past a limit the answer ends."""
+    (one n=64, logprobs=20 stream grew the server by 216 MB): past a limit the answer ends.
+
+    The limit counts tokens, however the server groups them into events, so the answer's
+    tokens exceed it whatever the machine's speed, by more than the sockets hold for a
+    client with a 4 KB window (a few hundred events). A small limit is reached in a few steps
+    even on a busy machine; the wait fails only if generation stops or a request runs to its
+    length."""
+    server = slow_reader_server
+    assert NUM_STREAMS * LONG > 20 * UNSENT_LIMIT
     aborts_before = aborts(server.url)
     body = json.dumps({"prompt": "x", "max_tokens": LONG, "ignore_eos": True, "n": NUM_STREAMS,
                        "logprobs": 20, "stream": True}).encode()  # fmt: skip
@@ -147,7 +194,7 @@ def test_a_client_that_stops_reading_has_its_stream_ended(server):
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         sock.sendall(head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         # Every choice is aborted long before its 480 tokens, while the client holds on.
-        wait_until(lambda: aborts(server.url) >= aborts_before + NUM_STREAMS, timeout=120,
-                   what="the unread stream's requests aborted")  # fmt: skip
+        _wait_while_generating(server.url, lambda s: _aborts(s) >= aborts_before + NUM_STREAMS,
+                               "the unread stream's requests aborted")  # fmt: skip
     wait_until(lambda: idle_after_aborts(server.url, aborts_before + NUM_STREAMS),
                what="idle engine")  # fmt: skip

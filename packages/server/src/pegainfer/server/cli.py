@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Requests allowed to wait for their first token; more get 503 with Retry-After.",
     )
     server.add_argument(
+        "--max-unsent-tokens",
+        type=int,
+        default=16384,
+        help="Tokens of one response that may wait for a client reading its stream slowly; "
+        "past them the response ends and its requests are aborted.",
+    )
+    server.add_argument(
         "--reasoning-parser",
         default=None,
         help="Split chat answers' thinking into reasoning_content (qwen3: <think>...</think>; "
@@ -132,6 +139,7 @@ _SERVER_FIELDS = (
     "shutdown_timeout",
     "max_request_bytes",
     "max_waiting_requests",
+    "max_unsent_tokens",
     "log_level",
     "reasoning_parser",
     "tool_call_parser",
@@ -144,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=server["log_level"].upper(), format=_LOG_FORMAT)
     if server["backlog"] < 1:
         print("pegainfer-server: --backlog must be at least 1", file=sys.stderr)
+        return 2
+    if server["max_unsent_tokens"] < 1:
+        print("pegainfer-server: --max-unsent-tokens must be at least 1", file=sys.stderr)
         return 2
     if not 0 <= server["shutdown_timeout"] < float("inf"):
         print("pegainfer-server: --shutdown-timeout must be a number of seconds >= 0",
@@ -256,8 +267,9 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
                 },
             )
             state.client = AsyncEngineClient(
-                engine, frontend, metrics, server["max_waiting_requests"]
-            )
+                engine, frontend, metrics, server["max_waiting_requests"],
+                server["max_unsent_tokens"],
+            )  # fmt: skip
             logger.info("ready: serving %s at http://%s:%s", names, server["host"], server["port"])
         except PegainferError as exc:
             if stop.is_set():

@@ -80,7 +80,12 @@ class AsyncEngineClient:
     """Starts delivering `engine`'s outputs (call it on the event loop that will serve)."""
 
     def __init__(
-        self, engine: EngineConnection, frontend: Frontend, metrics: Metrics, max_waiting: int
+        self,
+        engine: EngineConnection,
+        frontend: Frontend,
+        metrics: Metrics,
+        max_waiting: int,
+        max_unsent_tokens: int = 16384,
     ) -> None:
         self.config = engine.config
         self.limits = RequestLimits(
@@ -91,6 +96,8 @@ class AsyncEngineClient:
         self.frontend = frontend
         self.metrics = metrics
         self.max_waiting = max_waiting
+        #: Tokens of one response that may wait for a client reading its stream slowly.
+        self.max_unsent_tokens = max_unsent_tokens
         self._event_loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._waiting: set[str] = set()

@@ -223,12 +223,6 @@ def _wrap_seed(seed: int) -> int:
     return (seed + 2**63) % 2**64 - 2**63
 
 
-# Deltas of one response waiting for its consumer (a stream's client reading them): past this
-# many the response ends and its requests are aborted, so a client that stops reading cannot
-# make the server hold an ever larger answer (one n=64, logprobs=20 stream grew it by 216 MB).
-MAX_UNSENT_DELTAS = 16384
-
-
 class ClientTooSlowError(RuntimeError):
     """The client read its stream too slowly: the response was ended."""
 
@@ -238,21 +232,30 @@ async def merged(
     requests: Sequence[tuple[EngineRequest, str | None]],
     reservation: Reservation,
 ) -> AsyncIterator[tuple[int, RequestStream, StreamDelta]]:
-    """Stream several requests at once, tagging each delta with its request's index."""
+    """Stream several requests at once, tagging each delta with its request's index.
+
+    Past `client.max_unsent_tokens` tokens waiting for the consumer (a stream's client that
+    stopped reading) the response ends with `ClientTooSlowError` and its requests are aborted:
+    such a client cannot make the server hold an ever larger answer (one n=64, logprobs=20
+    stream grew it by 216 MB). Tokens, not deltas: a consumer that falls behind gets several
+    tokens in one delta, so a count of deltas bounds nothing."""
     queue: asyncio.Queue[tuple[int, RequestStream, StreamDelta] | BaseException | None] = (
         asyncio.Queue()
     )
+    unsent = 0  # tokens in `queue` (a delta without any counts as one)
 
     async def pump(index: int, request: EngineRequest, prompt: str | None) -> None:
+        nonlocal unsent
         try:
             # Closed on leaving the loop, which aborts the request.
             async with contextlib.aclosing(client.generate(request, reservation, prompt)) as out:
                 async for stream, delta in out:
-                    if queue.qsize() >= MAX_UNSENT_DELTAS:
+                    if unsent >= client.max_unsent_tokens:
                         raise ClientTooSlowError(
-                            f"the client read its stream too slowly ({MAX_UNSENT_DELTAS} "
-                            "chunks were waiting): the answer was ended"
+                            f"the client read its stream too slowly ({unsent} tokens were "
+                            "waiting): the answer was ended"
                         )
+                    unsent += max(1, len(delta.token_ids))
                     queue.put_nowait((index, stream, delta))
         except BaseException as exc:  # handed to the consumer, which re-raises it
             queue.put_nowait(exc)
@@ -269,6 +272,7 @@ async def merged(
             elif isinstance(item, BaseException):
                 raise item
             else:
+                unsent -= max(1, len(item[2].token_ids))
                 yield item
     finally:
         for task in tasks:
