@@ -177,12 +177,14 @@ def test_two_attention_ranks_score_a_long_prompt_that_samples_nothing_for_steps(
 def test_workers_outlast_an_idle_spell_longer_than_the_collective_timeout(checkpoint,
                                                                         monkeypatch):  # fmt: skip
     """Workers wait for rank 0's next message as long as the server is idle: only the
-    forward's collectives have a time limit (3 s here)."""
-    monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", "3")
+    forward's collectives have a time limit (8 s here, generous for a busy host's steps; the
+    idle spell outlasts it)."""
+    limit = 8.0
+    monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", str(limit))
     engine = make_engine(checkpoint, tensor_parallel_size=2)
     try:
         first = generate(engine, prompts()[:1], greedy(3))
-        time.sleep(5)
+        time.sleep(limit + 2)
         assert generate(engine, prompts()[:1], greedy(3)) == first
     finally:
         engine.shutdown()
@@ -276,16 +278,17 @@ def test_workers_wait_for_a_rank_0_that_loads_for_longer_than_the_time_limit(
     checkpoint, monkeypatch
 ):
     """A worker that has loaded waits for rank 0's go however long rank 0 still loads (past
-    the 2 s collective limit here): joining first, it would time out in the rendezvous."""
+    the 4 s collective limit here): joining first, it would time out in the rendezvous."""
     from pegainfer.models.qwen3.line import Qwen3Line
 
     build = Qwen3Line.build_model
+    limit = 4.0
 
     def slow(self, context):
-        time.sleep(5)
+        time.sleep(2 * limit)
         return build(self, context)
 
-    monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", "2")
+    monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", str(limit))
     monkeypatch.setattr(Qwen3Line, "build_model", slow)
     engine = make_engine(checkpoint, tensor_parallel_size=2)
     try:
