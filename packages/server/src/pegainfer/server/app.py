@@ -29,8 +29,11 @@ from pegainfer.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    Load,
     ModelCard,
+    ModelInfo,
     ModelList,
+    ServerInfo,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -60,6 +63,9 @@ class ServerState:
     # Requests by route and status class, refusals before the engine included (vLLM's
     # http_requests_total): what came in balances what the engine finished plus the refused.
     http_registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    # The engine's parallel layout, for /get_server_info.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def ready_client(self) -> AsyncEngineClient:
         if self.client is None:
@@ -200,6 +206,34 @@ def build_app(state: ServerState) -> Starlette:
     async def version_route(request: Request) -> Response:
         return _json({"version": _version()})
 
+    def loaded_client() -> AsyncEngineClient:
+        """The engine client once the model has loaded, draining or not: the routes routers
+        poll describe the server while it drains too."""
+        if state.client is None:
+            raise APIError(503, "the model is still loading", code="not_ready")
+        return state.client
+
+    async def get_load(request: Request) -> Response:
+        return _json(Load(loaded_client().num_in_flight))
+
+    async def get_model_info(request: Request) -> Response:
+        config = loaded_client().config
+        return _json(ModelInfo(str(config.model_dir), str(config.tokenizer_dir), state.model_names))
+
+    async def get_server_info(request: Request) -> Response:
+        config = loaded_client().config
+        info = ServerInfo(
+            model_path=str(config.model_dir),
+            served_model_names=state.model_names,
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks,
+            dp_size=state.data_parallel_size,
+            tp_size=state.tensor_parallel_size,
+            version=_version(),
+        )
+        return _json(info)
+
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -211,6 +245,11 @@ def build_app(state: ServerState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version_route, methods=["GET"]),
+        # What routers in front of a fleet ask of a worker (SGLang's names, which vllm-router
+        # keeps): its load, its model and its cache layout.
+        Route("/get_load", get_load, methods=["GET"]),
+        Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _crash}
     app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
@@ -334,7 +373,9 @@ class _CountRequests:
     (plain ASGI middleware, so streaming is untouched). Probes and scrapes are not counted,
     as vLLM's server leaves them out."""
 
-    _UNCOUNTED = frozenset({"/metrics", "/health", "/version"})
+    _UNCOUNTED = frozenset(
+        {"/metrics", "/health", "/version", "/get_load", "/get_model_info", "/get_server_info"}
+    )
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app = app

@@ -225,6 +225,8 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
         model_names=names,
         api_key=server["api_key"],
         max_body_bytes=server["max_request_bytes"],
+        tensor_parallel_size=engine_args.tensor_parallel_size,
+        data_parallel_size=engine_args.data_parallel_size,
     )
     http2.install()
     config = Config()

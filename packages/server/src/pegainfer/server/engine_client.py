@@ -145,6 +145,11 @@ class AsyncEngineClient:
             queue.put_nowait(RequestOutput.failure(request_id, _SHUTTING_DOWN))
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet finished, waiting or running."""
+        return len(self._queues)
+
+    @property
     def alive(self) -> bool:
         return not self._failed and self._engine.alive
 

@@ -349,6 +349,37 @@ class ModelList(msgspec.Struct):
     object: Literal["list"] = "list"
 
 
+class ModelInfo(msgspec.Struct):
+    """`/get_model_info`, in SGLang's shape (routers read it to name a worker's model)."""
+
+    model_path: str
+    tokenizer_path: str
+    served_model_names: list[str]
+    is_generation: bool = True
+
+
+class ServerInfo(msgspec.Struct):
+    """`/get_server_info`, in SGLang's shape: what a router needs to know of a worker's
+    cache and parallel layout (its KV-event routing must hash prompts in blocks of
+    `block_size`)."""
+
+    model_path: str
+    served_model_names: list[str]
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    dp_size: int
+    tp_size: int
+    version: str
+
+
+class Load(msgspec.Struct):
+    """`/get_load`: requests this server holds, waiting or running (what routers that balance
+    by load, e.g. vllm-router's power_of_two, poll)."""
+
+    load: int
+
+
 class TokenizeResponse(msgspec.Struct):
     tokens: list[int]
     count: int
