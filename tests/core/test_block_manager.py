@@ -20,6 +20,7 @@ from hypothesis.stateful import (
 )
 
 from pegainfer.core.kv.block_manager import BlockManager, hash_block_tokens
+from pegainfer.core.kv.kv_events import BlockRemoved, BlockStored
 
 
 def hashes_of(bm: BlockManager, tokens: list[int], salt: str | None = None) -> list[bytes]:
@@ -36,8 +37,11 @@ def run_request(bm: BlockManager, tokens: list[int], salt: str | None = None) ->
     fresh = bm.allocate(-(-len(tokens) // bm.block_size) - len(cached))
     assert fresh is not None
     blocks = cached + fresh
-    for block_id, block_hash in zip(blocks, block_hashes, strict=False):
-        bm.seal(block_id, block_hash)
+    bs = bm.block_size
+    for i, (block_id, block_hash) in enumerate(zip(blocks, block_hashes, strict=False)):
+        bm.seal(
+            block_id, block_hash, block_hashes[i - 1] if i else None, tokens[i * bs : (i + 1) * bs]
+        )
     bm.check_invariants()
     return blocks
 
@@ -120,7 +124,7 @@ def test_caching_off_means_no_hits() -> None:
     assert hashes_of(bm, tokens) == []
     blocks = bm.allocate(3)
     assert blocks is not None
-    bm.seal(blocks[0], hash_block_tokens(None, tokens[:2]))
+    bm.seal(blocks[0], hash_block_tokens(None, tokens[:2]), None, tokens[:2])
     bm.release(blocks)
     assert bm.match_prefix([hash_block_tokens(None, tokens[:2])], 1) == []
     bm.check_invariants()
@@ -167,9 +171,9 @@ def test_sealed_duplicate_does_not_replace_original() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
     block_hash = hash_block_tokens(None, [5, 6])
     original, duplicate = bm.allocate(2) or []
-    bm.seal(original, block_hash)
-    bm.seal(duplicate, block_hash)  # computed concurrently by another request
-    bm.seal(original, block_hash)  # sealing again is a no-op
+    bm.seal(original, block_hash, None, [5, 6])
+    bm.seal(duplicate, block_hash, None, [5, 6])  # computed concurrently by another request
+    bm.seal(original, block_hash, None, [5, 6])  # sealing again is a no-op
     assert bm.match_prefix([block_hash], 1) == [original]
     bm.release([duplicate])  # uncached: straight back to the free pool
     bm.release([original])  # cached: evictable
@@ -181,11 +185,11 @@ def test_sealed_duplicate_does_not_replace_original() -> None:
 def test_sealing_with_another_hash_or_unowned_raises() -> None:
     bm = BlockManager(num_blocks=2, block_size=1)
     (block,) = bm.allocate(1) or []
-    bm.seal(block, hash_block_tokens(None, [1]))
+    bm.seal(block, hash_block_tokens(None, [1]), None, [1])
     with pytest.raises(RuntimeError):
-        bm.seal(block, hash_block_tokens(None, [2]))
+        bm.seal(block, hash_block_tokens(None, [2]), None, [2])
     with pytest.raises(RuntimeError):
-        bm.seal(1 - block, hash_block_tokens(None, [3]))
+        bm.seal(1 - block, hash_block_tokens(None, [3]), None, [3])
 
 
 def test_releasing_a_free_block_raises() -> None:
@@ -286,6 +290,7 @@ class Owner:
 
     blocks: list[int]
     block_hashes: list[bytes] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -300,10 +305,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.owners: dict[int, Owner] = {}
         self.next_owner = 0
         self.cache: dict[bytes, int] = {}  # model of the prefix cache: hash -> block id
+        # The prefix cache as its KV events tell it (hash -> parent, tokens), and every hash
+        # seen stored with its tokens: a hash, once stored, always names the same tokens.
+        self.from_events: dict[bytes, tuple[bytes | None, list[int]]] = {}
 
     @initialize(num_blocks=st.integers(1, 10), block_size=st.integers(1, 3), caching=st.booleans())
     def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.bm = BlockManager(
+            num_blocks, block_size, enable_prefix_caching=caching, record_events=caching
+        )
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -357,7 +367,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = bm.match_prefix(block_hashes, max_blocks)
         assert cached == expected
         bm.acquire(cached)
-        self.add_owner(Owner(cached, block_hashes))  # owns its prefix even if allocate fails
+        self.add_owner(
+            Owner(cached, block_hashes, tokens)
+        )  # owns its prefix even if allocate fails
         fresh = self.checked_allocate(-(-len(tokens) // bm.block_size) - len(cached))
         if fresh is None:
             self.release(self.next_owner - 1)
@@ -368,8 +380,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def seal(self, data: st.DataObject) -> None:
         owner = self.owners[self.pick(data)]
-        for block_id, block_hash in zip(owner.blocks, owner.block_hashes, strict=False):
-            self.bm.seal(block_id, block_hash)
+        bs = self.bm.block_size
+        for i, (block_id, block_hash) in enumerate(
+            zip(owner.blocks, owner.block_hashes, strict=False)
+        ):
+            parent = owner.block_hashes[i - 1] if i else None
+            self.bm.seal(block_id, block_hash, parent, owner.tokens[i * bs : (i + 1) * bs])
             if block_hash not in self.cache and block_id not in self.cache.values():
                 self.cache[block_hash] = block_id
         # Every full block's hash is now cached, by this owner's block or an earlier one.
@@ -400,6 +416,31 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert 0.0 <= bm.usage <= 1.0
         assert bm.usage == len(referenced) / bm.num_blocks
         assert bm._hash_to_block == self.cache
+        self.replay_events()
+        assert self.from_events.keys() == self.cache.keys()
+
+    def replay_events(self) -> None:
+        """Apply the block manager's KV events to `from_events`, checking each against the
+        state it changes: stored blocks were not cached, chain onto their parent and hash to
+        what their tokens and parent give; removed blocks were cached."""
+        bs = self.bm.block_size
+        for event in self.bm.take_events():
+            if isinstance(event, BlockStored):
+                assert event.block_size == bs
+                assert len(event.token_ids) == bs * len(event.block_hashes)
+                parent = event.parent_block_hash
+                for i, block_hash in enumerate(event.block_hashes):
+                    tokens = event.token_ids[i * bs : (i + 1) * bs]
+                    assert block_hash not in self.from_events, "stored twice without removal"
+                    # Unsalted chains hash to their tokens; salted roots fold in a salt.
+                    if parent is not None:
+                        assert hash_block_tokens(parent, tokens) == block_hash
+                    self.from_events[block_hash] = (parent, tokens)
+                    parent = block_hash
+            else:
+                assert isinstance(event, BlockRemoved)
+                for block_hash in event.block_hashes:
+                    assert self.from_events.pop(block_hash, None) is not None, "removed, not stored"
 
     def teardown(self) -> None:
         if not hasattr(self, "bm"):

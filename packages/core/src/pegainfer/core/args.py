@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pegainfer.core.errors import ConfigError
+from pegainfer.core.kv.kv_events import KVEventsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -117,6 +118,15 @@ class EngineArgs:
         "the routed experts, which are divided between them; each MoE layer sends tokens to "
         "their experts' ranks and back (all-to-all).",
     )
+    kv_events_config: str | None = _arg(
+        None,
+        "Publish the prefix cache's block stored / removed events for routers that route by "
+        "cached blocks, as vLLM's flag does (its JSON and wire format), e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"topic": "kv"}\' (also replay_endpoint, buffer_steps, hwm, max_queue_size); with '
+        "--data-parallel-size each rank publishes on the endpoint's port + its rank. Needs "
+        "pyzmq (pip install 'pegainfer-core[kv-events]').",
+    )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
     load_format: str = _arg(
         "auto",
@@ -164,6 +174,13 @@ class EngineArgs:
             raise ConfigError(f"state_checkpoints must be 0 or more, got {self.state_checkpoints}")
         if self.cpu_kv_cache_gib <= 0:
             raise ConfigError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
+        if self.kv_events_config is not None:
+            events = KVEventsConfig.parse(self.kv_events_config)
+            if events.publishes and not self.enable_prefix_caching:
+                raise ConfigError(
+                    "--kv-events-config reports the prefix cache's blocks: it needs prefix "
+                    "caching (drop --no-prefix-cache)"
+                )
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"

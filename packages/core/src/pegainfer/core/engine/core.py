@@ -42,6 +42,7 @@ from pegainfer.core.kv.kv_cache import (
     blocks_for_memory,
     bytes_per_block,
 )
+from pegainfer.core.kv.kv_events import KVEventsConfig, ZmqEventPublisher
 from pegainfer.core.kv.kv_offload import HostMemoryTier
 from pegainfer.core.loading.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
@@ -193,6 +194,8 @@ class EngineCore:
         )
         self.ranks: TensorParallelRanks | None = None
         self.runner: ModelRunner | None = None  # once the model is built
+        #: One KV-event publisher per attention rank, with its rank's block manager.
+        self.kv_events: list[tuple[ZmqEventPublisher, BlockManager]] = []
         spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device),
                           args.enable_expert_parallel, args.data_parallel_size > 1,
                           args.load_format == "dummy")  # fmt: skip
@@ -318,15 +321,27 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill,
             num_state_checkpoints=checkpoints,
         )
+        events = KVEventsConfig.parse(args.kv_events_config or "{}")
+        if events.publishes and not prefix_caching:
+            raise ConfigError(
+                "--kv-events-config reports the prefix cache's blocks, and the prefix cache is off "
+                f"for the {line.name!r} line here (unsupported, or --state-checkpoints 0)"
+            )
         # One per attention rank (data-parallel attention: each rank has its own cache).
         hash_blocks = prefix_caching or args.kv_offload
         schedulers = [
             line.scheduler_class()(
                 scheduler_config,
-                BlockManager(num_blocks, args.block_size, prefix_caching, hash_blocks=hash_blocks),
+                BlockManager(num_blocks, args.block_size, prefix_caching, hash_blocks=hash_blocks,
+                             record_events=events.publishes),
                 self.offload,
             )
             for _ in range(self.data_parallel_size)
+        ]  # fmt: skip
+        self.kv_events = [
+            (ZmqEventPublisher(events, rank), scheduler.blocks)
+            for rank, scheduler in enumerate(schedulers)
+            if events.publishes
         ]
         #: The block manager (rank 0's with data-parallel attention; `scheduler.ranks` holds
         #: every rank's scheduler and its block manager).
@@ -393,7 +408,11 @@ class EngineCore:
             raise ConfigError("--kv-offload does not work with parallel ranks yet")
 
     def shutdown(self) -> None:
-        """Stop the parallel workers, if any (the engine is unusable afterwards)."""
+        """Stop the parallel workers, if any, and the KV-event publishers (the engine is
+        unusable afterwards)."""
+        for publisher, _ in self.kv_events:
+            publisher.close()
+        self.kv_events = []
         if self.ranks is None:
             return
         # Graphs hold captured collectives: they go before the communicator does.
@@ -482,10 +501,21 @@ class EngineCore:
         if launched is not None:
             self._step_tokens.append(sum(chunk.num_tokens for chunk in step.chunks))
         if not self.async_scheduling:
-            return self._commit(launched) if launched is not None else []
-        outputs = early + (self._commit(self._in_flight) if self._in_flight is not None else [])
-        self._in_flight = launched
+            outputs = self._commit(launched) if launched is not None else []
+        else:
+            outputs = early
+            if self._in_flight is not None:
+                outputs += self._commit(self._in_flight)
+            self._in_flight = launched
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand this step's prefix-cache changes to the publishers' threads."""
+        for publisher, blocks in self.kv_events:
+            events = blocks.take_events()
+            if events:
+                publisher.publish(events)
 
     def _await_restores(self, step: SchedulerStep) -> None:
         """Order each chunk after the host-tier copies it reads, on the device: its own

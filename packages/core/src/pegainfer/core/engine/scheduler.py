@@ -185,8 +185,8 @@ class Scheduler:
                 self._reset(request)
                 break
             self.waiting.popleft()
-            for block_hash, block in restores:
-                self.blocks.seal(block, block_hash)
+            for index in range(len(hit.blocks), len(hit.blocks) + len(restores)):
+                self._seal(request, index)  # a restored block is cached on the device again
             request.state_source = hit.restore_from
             if hit.restore_from is not None:  # kept from eviction until its step launches
                 self.checkpoints.hold(hit.restore_from)
@@ -401,10 +401,20 @@ class Scheduler:
             ids = ids[: request.num_known_tokens]
         self.blocks.extend_block_hashes(ids, request.block_hashes, request.cache_salt)
         for index in range(request.num_sealed_blocks, num_full):
-            self.blocks.seal(request.block_ids[index], request.block_hashes[index])
+            self._seal(request, index)
             if self.offload is not None:
                 self.pending_stores.append((request.block_hashes[index], request.block_ids[index]))
         request.num_sealed_blocks = num_full
+
+    def _seal(self, request: Request, index: int) -> None:
+        """Seal the request's `index`-th block (full and computed) into the prefix cache."""
+        bs = self.block_size
+        self.blocks.seal(
+            request.block_ids[index],
+            request.block_hashes[index],
+            request.block_hashes[index - 1] if index else None,
+            request.token_ids[index * bs : (index + 1) * bs],
+        )
 
     def _settle_restore(self, request: Request) -> None:
         """A request leaving while its blocks arrive: later GPU work waits for the copies, so

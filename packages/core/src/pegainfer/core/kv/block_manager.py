@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pegainfer.core.kv.kv_events import BlockRemoved, BlockStored, KVEvent
+
 BlockHash = bytes
 """16-byte digest naming a full block of tokens and, through the chain, every token before it."""
 
@@ -68,9 +70,11 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         hash_blocks: bool | None = None,
+        record_events: bool = False,
     ) -> None:
         """`hash_blocks` (default: `enable_prefix_caching`) keeps block hashes even with the
-        device cache off, for a host tier that caches alone."""
+        device cache off, for a host tier that caches alone. `record_events` keeps a log of the
+        blocks the prefix cache gains and loses (`take_events`), for KV-event publishing."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks, block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -83,6 +87,10 @@ class BlockManager:
         self._hash_to_block: dict[BlockHash, int] = {}
         self._block_to_hash: dict[int, BlockHash] = {}
         self._handed_out: list[int] = []  # since the last take_handed_out()
+        if record_events and not enable_prefix_caching:
+            raise ValueError("KV events describe the prefix cache: record_events needs it on")
+        self.record_events = record_events
+        self._events: list[KVEvent] = []  # since the last take_events()
 
     @property
     def num_free_blocks(self) -> int:
@@ -157,11 +165,38 @@ class BlockManager:
                 block_id = self._free.popleft()
             else:
                 block_id, _ = self._evictable.popitem(last=False)
-                del self._hash_to_block[self._block_to_hash.pop(block_id)]
+                evicted = self._block_to_hash.pop(block_id)
+                del self._hash_to_block[evicted]
+                if self.record_events:
+                    self._record_removed(evicted)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
         self._handed_out += block_ids
         return block_ids
+
+    def take_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call, in order (empty unless
+        `record_events`): consecutive blocks sealed along one chain come as one `BlockStored`,
+        consecutive evictions as one `BlockRemoved`, as vLLM reports them."""
+        events, self._events = self._events, []
+        return events
+
+    def _record_stored(
+        self, block_hash: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]
+    ) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+            last.block_hashes.append(block_hash)
+            last.token_ids.extend(token_ids)
+        else:
+            self._events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size))
+
+    def _record_removed(self, block_hash: BlockHash) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            self._events.append(BlockRemoved([block_hash]))
 
     def take_handed_out(self) -> list[int]:
         """Blocks `allocate` returned since the last call (whose old contents a copy out to a
@@ -186,9 +221,17 @@ class BlockManager:
                 else:
                     self._free.append(block_id)
 
-    def seal(self, block_id: int, block_hash: BlockHash) -> None:
+    def seal(
+        self,
+        block_id: int,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+    ) -> None:
         """Cache a full, computed block in use under `block_hash` so later requests can hit it.
 
+        `block_hash` chains `token_ids` (the block's tokens) onto `parent` (the previous block's
+        hash, None for a sequence's first block); the two are what a `BlockStored` event reports.
         If another block already caches `block_hash`, that entry stays and this block remains an
         uncached duplicate, which returns to the free pool when released. Sealing a block again
         with the same hash is a no-op; with a different hash it is a bug (full blocks never change).
@@ -206,6 +249,8 @@ class BlockManager:
         if block_hash not in self._hash_to_block:
             self._hash_to_block[block_hash] = block_id
             self._block_to_hash[block_id] = block_hash
+            if self.record_events:
+                self._record_stored(block_hash, parent, token_ids)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the internal state is inconsistent. For tests; O(num_blocks)."""
