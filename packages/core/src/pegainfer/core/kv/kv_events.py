@@ -194,17 +194,39 @@ class ZmqEventPublisher:
         encoder = msgspec.msgpack.Encoder()
         while True:
             if self._replay is not None and self._replay.poll(0):
+                # What was published before the request came is queued by now: sent first,
+                # the replay covers it.
+                if not self._send_queued(encoder):
+                    return
                 self._serve_replay()
             try:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if item is _STOP:
+            if not self._send(item, encoder):
                 return
-            seq, batch = item
-            payload = encoder.encode(batch)
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-            self._buffer.append((seq, payload))
+
+    def _send_queued(self, encoder: msgspec.msgpack.Encoder) -> bool:
+        """Send every queued batch; False once the stop sentinel is reached."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if not self._send(item, encoder):
+                return False
+
+    def _send(
+        self, item: tuple[int, KVEventBatch] | None, encoder: msgspec.msgpack.Encoder
+    ) -> bool:
+        """Publish one queued batch and keep it for replay; False for the stop sentinel."""
+        if item is _STOP:
+            return False
+        seq, batch = item
+        payload = encoder.encode(batch)
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+        return True
 
     def _serve_replay(self) -> None:
         frames: list[Any] = self._replay.recv_multipart()  # type: ignore[union-attr]
