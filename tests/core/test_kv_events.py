@@ -101,9 +101,9 @@ def test_recording_needs_the_prefix_cache():
         BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False, record_events=True)
 
 
-def test_wire_format_is_vllms_positional_msgpack():
-    """vLLM encodes its structs with array_like=True and tag=True: a batch is
-    [ts, events, rank], an event [type name, fields in declaration order...]."""
+def test_wire_format_is_what_vllm_router_reads():
+    """A batch is positional, [ts, events, rank]; an event is a map tagged with its type (the
+    shape vllm-router 0.1.17's subscriber decodes; it refuses positional events)."""
     batch = KVEventBatch(
         1.5,
         [BlockStored([b"h1", b"h2"], None, [1, 2, 3, 4], 2), BlockRemoved([b"h0"])],
@@ -113,9 +113,13 @@ def test_wire_format_is_vllms_positional_msgpack():
     assert decoded == [
         1.5,
         [
-            ["BlockStored", [b"h1", b"h2"], None, [1, 2, 3, 4], 2, None, "GPU", None],
-            ["BlockRemoved", [b"h0"], "GPU"],
+            {
+                "type": "BlockStored", "block_hashes": [b"h1", b"h2"], "parent_block_hash": None,
+                "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
+                "lora_name": None,
+            },
+            {"type": "BlockRemoved", "block_hashes": [b"h0"], "medium": "GPU"},
         ],
         0,
-    ]
+    ]  # fmt: skip
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch) == batch

@@ -4,8 +4,9 @@ The wire format is vLLM's (`vllm/distributed/kv_events.py`, `--kv-events-config`
 written for vLLM (vllm-router's `kv_aware` policy, llm-d's KV-cache indexer, Dynamo) read a
 pegainfer server's stream unchanged:
 
-- a `KVEventBatch` is msgpack `[ts, [event, ...], data_parallel_rank]`; each event is an array
-  whose first item names its type (`BlockStored`, `BlockRemoved`), then its fields in order;
+- a `KVEventBatch` is msgpack `[ts, [event, ...], data_parallel_rank]`; each event is a map of
+  its fields whose `type` names it (`BlockStored`, `BlockRemoved`), as vLLM's tagged structs
+  encode (and vllm-router's subscriber requires: it refuses positional events);
 - each batch goes out on a ZMQ PUB socket as three frames: the topic, an 8-byte big-endian
   sequence number (0, 1, ... per publisher) and the payload;
 - with a `replay_endpoint`, a ROUTER socket answers `[b"", start_seq]` from a DEALER with every
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 MEDIUM_GPU = "GPU"
 
 
-class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
+class BlockStored(msgspec.Struct, tag=True, gc=False):
     """Blocks newly cached on the device: a chain, each block's parent the one before it and the
     first one's `parent_block_hash`; `token_ids` holds every block's tokens, in order."""
 
@@ -49,7 +50,7 @@ class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
     lora_name: str | None = None
 
 
-class BlockRemoved(msgspec.Struct, array_like=True, tag=True, gc=False):
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
     """Cached blocks evicted from the device (their space reused)."""
 
     block_hashes: list[bytes]
