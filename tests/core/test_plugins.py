@@ -60,6 +60,31 @@ def test_a_third_party_line_serves_through_the_engine(installed_counting_plugin,
         EngineCore(EngineArgs(model=str(model_dir), device="cpu", block_size=4))
 
 
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        lambda logits, batch: logits.new_zeros(batch.input_ids.shape[0], logits.shape[1]),
+        lambda logits, batch: logits[:, :-1],
+        lambda logits, batch: logits.half(),
+    ],
+    ids=["every-row", "short-vocabulary", "float16"],
+)
+def test_a_forward_breaking_the_logits_contract_is_refused_when_the_line_loads(
+    installed_counting_plugin, tmp_path, monkeypatch, wrong
+):
+    """A forward returning logits of the wrong shape (or dtype) was served."""
+    import counting_line
+
+    right = counting_line.CountingModel.forward
+    monkeypatch.setattr(counting_line.CountingModel, "forward",
+                        lambda self, batch, kv: wrong(right(self, batch, kv), batch))  # fmt: skip
+    model_dir = tmp_path / "ckpt"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "counting", "vocab_size": 50}))
+    with pytest.raises(ModelLineError, match=r"'counting' model line's forward returned"):
+        EngineCore(EngineArgs(model=str(model_dir), device="cpu"))
+
+
 def test_plugin_allow_list(installed_counting_plugin, monkeypatch):
     monkeypatch.setenv("PEGAINFER_PLUGINS", "counting")
     assert [line.name for line in model_lines()] == ["counting"]

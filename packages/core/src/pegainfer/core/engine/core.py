@@ -34,7 +34,7 @@ from pegainfer.core.engine.scheduler import (
     SchedulerStep,
 )
 from pegainfer.core.engine.step_plan import StepPlan
-from pegainfer.core.errors import ConfigError, InvalidRequestError
+from pegainfer.core.errors import ConfigError, InvalidRequestError, ModelLineError
 from pegainfer.core.kv.block_manager import BlockManager
 from pegainfer.core.kv.kv_cache import (
     ArenaSpec,
@@ -290,6 +290,8 @@ class EngineCore:
             if states
             else "",
         )
+        if self.ranks is None:  # parallel ranks' forwards need a plan the workers follow
+            _check_forward(line, self.runner, args.block_size, bool(states))
         if buckets:
             tokens = token_buckets(args.max_num_batched_tokens) if mixed_graphs else ()
             graph_spec = GraphSpec(buckets, num_blocks, num_slots - 1 if states else None, tokens)
@@ -697,4 +699,22 @@ class EngineCore:
             stop_token_id=request.stop_token_id,
             error=request.error,
             timing=timing,
+        )
+
+
+def _check_forward(line: ModelLine, runner: ModelRunner, block_size: int, states: bool) -> None:
+    """One eager forward of a two-token sequence on the new cache, checked against the
+    contract (`Model.forward`: float32 logits of the sampled rows, here the last, over the
+    vocabulary), so a line that breaks it is refused by name when it loads instead of being
+    served. It writes only what a later sequence's prefill overwrites (block 0, slot 0)."""
+    batch = ForwardBatch.build([[0, 0]], [0], [[0]], [True], block_size, runner.device,
+                               state_slots=[0] if states else None)  # fmt: skip
+    with torch.inference_mode():
+        logits = runner.forward(batch)
+    expected = (1, runner.model.vocab_size)
+    if tuple(logits.shape) != expected or logits.dtype != torch.float32:
+        raise ModelLineError(
+            f"the {line.name!r} model line's forward returned {logits.dtype} logits of shape "
+            f"{tuple(logits.shape)}; the contract is float32 logits of shape {expected} (one "
+            "row per sampled row of the batch, batch.logits_indices, over the vocabulary)"
         )
