@@ -5,8 +5,8 @@ Each layer with a `full` indexer projects its indexer queries, keys and head wei
 (`indexer.Indexer`), stores the keys in its slice of the `index_k` arena (one more KV arena:
 the block manager, prefix cache, preemption and host tier cover it as they cover the latents)
 and selects each row's top-k keys; a `shared` layer (GLM-5.2) attends over the last full
-layer's selection. While every sequence of a step fits in `index_topk` keys the selection is
-every key, and the step attends dense MLA without scoring.
+layer's selection. A sequence that fits in `index_topk` keys would select every key it has:
+its rows attend dense MLA, unscored, beside the longer sequences' sparse rows.
 
 The MTP layer's tensors (`model.layers.{num_hidden_layers}.*`) are recognised and not loaded
 (core's name map): speculative decoding is its own piece of work. Piecewise CUDA graphs for
