@@ -221,7 +221,7 @@ def test_quant_linear_cpu_is_the_dequantized_matmul(fmt):
 
 
 def test_int4_linear_needs_whole_groups():
-    with pytest.raises(ValueError, match="multiple of the group size"):
+    with pytest.raises(ConfigError, match="multiple of the group size"):
         QuantLinear(8, 48, Int4Group(32))
 
 

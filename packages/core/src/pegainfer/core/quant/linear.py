@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.loading.weights import empty_param
 from pegainfer.core.ops import quant as ref
 from pegainfer.core.quant.scheme import Fp8Block, Int4Group, WeightFormat
@@ -26,7 +27,7 @@ class QuantLinear(nn.Module):
     def __init__(self, out_features: int, in_features: int, fmt: WeightFormat) -> None:
         super().__init__()
         if isinstance(fmt, Int4Group) and in_features % fmt.group_size:
-            raise ValueError(
+            raise ConfigError(
                 f"INT4 weights need in_features ({in_features}) to be a multiple of the group "
                 f"size {fmt.group_size}"
             )
