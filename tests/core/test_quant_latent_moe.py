@@ -16,11 +16,14 @@ from pegainfer.core.model_line import ModelContext, RuntimeConfig
 from pegainfer.core.moe.experts import QuantizedExpertWeights
 from pegainfer.core.quant.linear import QuantLinear
 from pegainfer.core.quant.scheme import parse_quantization
-from pegainfer.models.deepseek.line import DeepseekLine, deepseek_v2_config
 from tests.paged_runner import PagedRunner, random_tokens
 from tests.quant_checkpoints import FP8_BLOCK_CONFIG, int4_config, quantize_checkpoint
 
 pytestmark = pytest.mark.line("deepseek")
+# The DeepSeek line writes the checkpoints; with it not installed this module is skipped.
+deepseek_line = pytest.importorskip(
+    "pegainfer.models.deepseek.line", reason="the deepseek line is not installed"
+)
 
 # 32-row blocks: the q LoRA (96 rows) and kv_a (64 + 16: a partial last block) fuse on block
 # rows, every expert's 64-wide gate, up and down rows are whole blocks.
@@ -39,7 +42,9 @@ def is_linear(module: str) -> bool:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("latent-moe")
-    DeepseekLine().write_tiny_checkpoint(path, seed=5, q_lora_rank=96, num_hidden_layers=2)
+    deepseek_line.DeepseekLine().write_tiny_checkpoint(
+        path, seed=5, q_lora_rank=96, num_hidden_layers=2
+    )
     return path
 
 
@@ -47,7 +52,7 @@ def load(path: Path) -> LatentMoEForCausalLM:
     config = read_config(path)
     ctx = ModelContext(path, config, torch.float32, torch.device("cpu"))
     scheme = parse_quantization(config)
-    model = build_and_load(lambda: LatentMoEForCausalLM(deepseek_v2_config(config),
+    model = build_and_load(lambda: LatentMoEForCausalLM(deepseek_line.deepseek_v2_config(config),
                                                         scheme=scheme), ctx)  # fmt: skip
     model.init_runtime(RuntimeConfig(block_size=4, max_model_len=256, max_num_batched_tokens=256,
                                      max_num_seqs=8))  # fmt: skip
@@ -88,8 +93,11 @@ def test_layers_are_named_under_the_checkpoint_prefix(source):
     qc = FP8_BLOCK_CONFIG | {"weight_block_size": [32, 32], "modules_to_not_convert": ignore}
     config = read_config(source) | {"quantization_config": qc}
     with torch.device("meta"):
-        model = LatentMoEForCausalLM(deepseek_v2_config(config), scheme=parse_quantization(config),
-                                     checkpoint_prefix="language_model.")  # fmt: skip
+        model = LatentMoEForCausalLM(
+            deepseek_line.deepseek_v2_config(config),
+            scheme=parse_quantization(config),
+            checkpoint_prefix="language_model.",
+        )
     assert not isinstance(model.layers[0].self_attn.o_proj, QuantLinear)
     assert not isinstance(model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(model.layers[1].self_attn.o_proj, QuantLinear)
