@@ -385,7 +385,8 @@ def main() -> None:
     # uniformly: of E experts with k per token, a batch of B touches E(1 - (1 - k/E)^B).
     routed_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                        if ".mlp.experts." in name)  # fmt: skip
-    experts, top_k = getattr(cfg, "num_experts", 0), getattr(cfg, "num_experts_per_tok", 0)
+    routing = getattr(cfg, "routing", None)  # the latent-MoE lines' (DeepSeek, Kimi, GLM)
+    experts, top_k = (routing.num_experts, routing.top_k) if routing is not None else (0, 0)
 
     def read_bytes(batch: int) -> float:
         untouched = (1 - top_k / experts) ** batch if experts else 0.0
