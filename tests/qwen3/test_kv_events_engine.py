@@ -75,10 +75,12 @@ def test_subscriber_sees_stored_and_removed_blocks_in_order(tiny):
         replayed: list[tuple[int, KVEventBatch]] = []
         while True:
             assert dealer.poll(30_000), "the replay socket did not answer"
-            empty, seq, payload = dealer.recv_multipart()
+            empty, topic, seq, payload = dealer.recv_multipart()
             assert empty == b""
             if int.from_bytes(seq, "big", signed=True) == -1:
+                assert (topic, payload) == (b"", b"")
                 break
+            assert topic == b"kv"
             replayed.append((int.from_bytes(seq, "big"), decode(payload)))
         assert [seq for seq, _ in replayed] == list(range(len(replayed)))
         assert all(batch.data_parallel_rank == 0 for _, batch in replayed)

@@ -10,7 +10,10 @@ pegainfer server's stream unchanged:
 - each batch goes out on a ZMQ PUB socket as three frames: the topic, an 8-byte big-endian
   sequence number (0, 1, ... per publisher) and the payload;
 - with a `replay_endpoint`, a ROUTER socket answers `[b"", start_seq]` from a DEALER with every
-  buffered batch from `start_seq` on, as `[b"", seq, payload]`, then `[b"", -1, b""]`.
+  buffered batch from `start_seq` on, each as `[b"", topic, seq, payload]`, then the end marker
+  `[b"", b"", -1, b""]`.
+
+vLLM's contract (docs/features/kv_events.md there) pins all of this.
 
 Block hashes are pegainfer's own 16-byte chained digests (`block_manager.hash_block_tokens`),
 sent as bytes: consumers treat them as opaque keys and hash the token ids themselves.
@@ -238,5 +241,6 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))  # type: ignore[union-attr]
-        self._replay.send_multipart((client, b"", _END_SEQ, b""))  # type: ignore[union-attr]
+                frames = (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                self._replay.send_multipart(frames)  # type: ignore[union-attr]
+        self._replay.send_multipart((client, b"", b"", _END_SEQ, b""))  # type: ignore[union-attr]
