@@ -26,7 +26,8 @@ def test_get_server_info_gives_the_cache_layout(server):
     assert response.status_code == 200
     info = response.json()
     # The shared server runs with --max-model-len 512 --block-size 8, one rank.
-    assert info["block_size"] == 8
+    assert info["kv_block_size"] == 8
+    assert info["model_id"] == server.model
     assert info["max_model_len"] == 512
     assert info["dp_size"] == 1 and info["tp_size"] == 1
     assert info["num_kv_blocks"] >= 512 // 8

@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.kv.kv_events import KVEventsConfig, endpoint_for_rank
 from pegainfer.server.chat import Chat, template_messages
 from pegainfer.server.completions import Completions
 from pegainfer.server.engine_client import AsyncEngineClient
@@ -29,6 +30,7 @@ from pegainfer.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    KVEventSource,
     Load,
     ModelCard,
     ModelInfo,
@@ -66,6 +68,8 @@ class ServerState:
     # The engine's parallel layout, for /get_server_info.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # The engine's --kv-events-config when it publishes, for /kv_event_sources.
+    kv_events: KVEventsConfig | None = None
 
     def ready_client(self) -> AsyncEngineClient:
         if self.client is None:
@@ -223,16 +227,34 @@ def build_app(state: ServerState) -> Starlette:
     async def get_server_info(request: Request) -> Response:
         config = loaded_client().config
         info = ServerInfo(
+            model_id=state.model_names[0],
             model_path=str(config.model_dir),
             served_model_names=state.model_names,
             max_model_len=config.max_model_len,
-            block_size=config.block_size,
+            kv_block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks,
             dp_size=state.data_parallel_size,
             tp_size=state.tensor_parallel_size,
             version=_version(),
         )
         return _json(info)
+
+    async def kv_event_sources(request: Request) -> Response:
+        """Where each attention rank publishes its KV events (empty when none publish)."""
+        events = state.kv_events
+        if events is None:
+            return _json({})
+        sources = {
+            str(rank): KVEventSource(
+                endpoint_for_rank(events.endpoint, rank),
+                None
+                if events.replay_endpoint is None
+                else endpoint_for_rank(events.replay_endpoint, rank),
+                events.topic,
+            )
+            for rank in range(state.data_parallel_size)
+        }
+        return _json(sources)
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -250,6 +272,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/get_load", get_load, methods=["GET"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),
         Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _crash}
     app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
@@ -374,7 +397,15 @@ class _CountRequests:
     as vLLM's server leaves them out."""
 
     _UNCOUNTED = frozenset(
-        {"/metrics", "/health", "/version", "/get_load", "/get_model_info", "/get_server_info"}
+        {
+            "/metrics",
+            "/health",
+            "/version",
+            "/get_load",
+            "/get_model_info",
+            "/get_server_info",
+            "/kv_event_sources",
+        }
     )
 
     def __init__(self, app: Any, state: ServerState) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.errors import PegainferError
+from pegainfer.core.kv.kv_events import KVEventsConfig
 
 if TYPE_CHECKING:
     from pegainfer.core.engine.core import EngineConfig
@@ -227,6 +228,7 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
         max_body_bytes=server["max_request_bytes"],
         tensor_parallel_size=engine_args.tensor_parallel_size,
         data_parallel_size=engine_args.data_parallel_size,
+        kv_events=_publishing(engine_args),
     )
     http2.install()
     config = Config()
@@ -288,6 +290,14 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
             state.client.close()
         engine.shutdown(_ENGINE_STOP_S)
     return exit_code
+
+
+def _publishing(engine_args: EngineArgs) -> KVEventsConfig | None:
+    """The engine's KV-events configuration if it publishes (validated already)."""
+    if engine_args.kv_events_config is None:
+        return None
+    events = KVEventsConfig.parse(engine_args.kv_events_config)
+    return events if events.publishes else None
 
 
 async def _drain_on_stop(state: ServerState, stop: asyncio.Event, grace: float) -> None:

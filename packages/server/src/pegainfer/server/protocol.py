@@ -360,17 +360,31 @@ class ModelInfo(msgspec.Struct):
 
 class ServerInfo(msgspec.Struct):
     """`/get_server_info`, in SGLang's shape: what a router needs to know of a worker's
-    cache and parallel layout (its KV-event routing must hash prompts in blocks of
-    `block_size`)."""
+    cache and parallel layout. vllm-router's KV-event discovery reads `model_id` (whose
+    tokenizer it hashes prompts with) and `kv_block_size` (the tokens per hashed block)."""
 
+    model_id: str
     model_path: str
     served_model_names: list[str]
     max_model_len: int
-    block_size: int
+    kv_block_size: int
     num_kv_blocks: int
     dp_size: int
     tp_size: int
     version: str
+
+
+class KVEventSource(msgspec.Struct):
+    """One attention rank's KV-event publisher, as `/kv_event_sources` reports it (vLLM's
+    route: the resolved publisher configuration keyed by data-parallel rank)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    publisher: str = "zmq"
+    enable_kv_cache_events: bool = True
+    encoding: str = "msgpack"
+    schema_version: int = 1
 
 
 class Load(msgspec.Struct):
