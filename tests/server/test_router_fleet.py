@@ -1,11 +1,19 @@
-"""A fleet behind an existing router (issue 27, item 3): vllm-router from PyPI in front of two
-tiny pegainfer servers. Requests that share a long prefix land on the server that cached it
-(cache_aware routing, seen in each server's own /metrics), and a server that dies is taken out of
-rotation while requests keep succeeding on the other."""
+"""A fleet behind an existing router (issue 27, items 3 and 4): vllm-router from PyPI in front of
+two tiny pegainfer servers that publish KV events.
+
+- cache_aware (the router's default): requests that share a long prefix land on the server the
+  router sent the first one to, and find it cached there (each server's own /metrics);
+- kv_aware: the router discovers each server's event stream (/kv_event_sources) and routes a
+  prompt to the server whose cache holds its prefix, even one warmed behind its back;
+- a server that dies is taken out of rotation by the router's health checks, and requests keep
+  succeeding on the other."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,7 +50,8 @@ class Fleet:
     log: Path
 
     def logs(self) -> str:
-        return self.log.read_text()
+        """The router's log without its terminal colours (which split `key=value` fields)."""
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text())
 
 
 def served(server: Server) -> float:
@@ -63,20 +72,34 @@ def healthy_workers(fleet: Fleet) -> int:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model, tmp_path_factory) -> Iterator[Fleet]:
-    """Two servers and the router, shared by this module's tests (the last one kills a server)."""
+def servers(tiny_model, tmp_path_factory) -> Iterator[list[Server]]:
+    """Two servers publishing KV events, shared by this module's tests (the last one kills
+    one of them)."""
     tmp_path = tmp_path_factory.mktemp("fleet")
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    args = ("--max-model-len", "512", "--block-size", "8")
-    servers = [
-        start_server(tiny_model, tmp_path / f"server{i}.log", *args, env=env) for i in (0, 1)
-    ]
-    port, log = free_port(), tmp_path / "router.log"
+    started = []
+    try:
+        for i in (0, 1):
+            events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"tcp://*:{free_port()}"}  # fmt: skip
+            args = ("--max-model-len", "512", "--block-size", "8",
+                    "--kv-events-config", json.dumps(events))  # fmt: skip
+            started.append(start_server(tiny_model, tmp_path / f"server{i}.log", *args, env=env))
+        yield started
+    finally:
+        for server in started:
+            if server.process.poll() is None:
+                stop_server(server)
+
+
+@contextlib.contextmanager
+def router(servers: list[Server], log: Path, *policy: str) -> Iterator[Fleet]:
+    """vllm-router in front of `servers` with the given policy arguments, once it sees both."""
+    port = free_port()
     cmd = [
         ROUTER, "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *(s.url for s in servers),
-        "--policy", "cache_aware",
-        "--prometheus-port", str(free_port()),
+        "--worker-urls", *(s.url for s in servers), *policy,
+        "--prometheus-port", str(free_port()), "--log-level", "debug",
         # Probe every second and drop a worker at its first failed probe, so the test sees
         # a dead server leave rotation quickly.
         "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
@@ -95,9 +118,25 @@ def fleet(tiny_model, tmp_path_factory) -> Iterator[Fleet]:
             process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             process.kill()
-        for server in servers:
-            if server.process.poll() is None:
-                stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
+    """The servers behind vllm-router's cache_aware policy (its default)."""
+    log = tmp_path_factory.mktemp("router") / "cache_aware.log"
+    with router(servers, log, "--policy", "cache_aware") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def kv_fleet(servers, tmp_path_factory) -> Iterator[Fleet]:
+    """The servers behind vllm-router's kv_aware policy, which finds their event streams by
+    itself (/kv_event_sources, /get_server_info): no per-worker flags."""
+    log = tmp_path_factory.mktemp("router") / "kv_aware.log"
+    with router(servers, log, "--policy", "kv_aware") as running:
+        wait_until(lambda: running.logs().count("spawned subscriber") == 2,
+                   what="the router to subscribe to both servers' KV events")  # fmt: skip
+        yield running
 
 
 def complete(fleet: Fleet, prompt: str) -> dict:
@@ -107,31 +146,48 @@ def complete(fleet: Fleet, prompt: str) -> dict:
     return response.json()
 
 
+def route(fleet: Fleet, prompt: str) -> tuple[int, int]:
+    """Send `prompt` through the router; return the server that served it (requests go one at a
+    time: the one whose count moved) and the prompt tokens it found cached."""
+    before = [served(s) for s in fleet.servers]
+    usage = complete(fleet, prompt)["usage"]
+    after = wait_until(
+        lambda: now if sum(now := [served(s) for s in fleet.servers]) > sum(before) else None,
+        what="the request to be counted",
+    )
+    (index,) = [i for i in range(len(before)) if after[i] > before[i]]
+    return index, usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_servers_report_their_event_streams(servers):
+    """/kv_event_sources: each server's one publisher, keyed by rank, as vLLM reports it."""
+    endpoints = set()
+    for server in servers:
+        (source,) = httpx.get(server.url + "/kv_event_sources", timeout=30).json().values()
+        assert source["endpoint"].startswith("tcp://*:")
+        assert (source["topic"], source["encoding"], source["replay_endpoint"]) == (
+            "",
+            "msgpack",
+            None,
+        )
+        endpoints.add(source["endpoint"])
+    assert len(endpoints) == 2
+
+
 def test_shared_prefixes_land_on_one_server(fleet):
     placed: dict[str, set[int]] = {family: set() for family in FAMILIES}
     cached: dict[str, list[int]] = {family: [] for family in FAMILIES}
     for tail in TAILS:
         for family in FAMILIES:
-            before = [served(s) for s in fleet.servers]
             hits_before = [prefix_hits(s) for s in fleet.servers]
-            usage = complete(fleet, family + tail)["usage"]
-            # Requests go one at a time: the server whose count moved served this one.
-            after = wait_until(
-                lambda before=before: (
-                    now if sum(now := [served(s) for s in fleet.servers]) > sum(before) else None
-                ),
-                what="the request to be counted",
-            )
-            (index,) = [i for i in range(2) if after[i] > before[i]]
+            index, tokens = route(fleet, family + tail)
             placed[family].add(index)
-            cached[family].append(usage["prompt_tokens_details"]["cached_tokens"])
-            hits = wait_until(
-                lambda i=index, c=cached[family][-1], h=hits_before: (
-                    prefix_hits(fleet.servers[i]) - h[i] >= c
-                ),
+            cached[family].append(tokens)
+            # The server's own prefix-cache counter saw the hit the response reports.
+            wait_until(
+                lambda i=index, c=tokens, h=hits_before: prefix_hits(fleet.servers[i]) - h[i] >= c,
                 what="the server's prefix-cache hits to count the request",
             )
-            assert hits
     for family in FAMILIES:
         assert len(placed[family]) == 1, f"{family[:14]}... went to servers {placed[family]}"
         first, *later = cached[family]
@@ -140,22 +196,44 @@ def test_shared_prefixes_land_on_one_server(fleet):
         assert all(c >= 8 * 8 for c in later), cached[family]
 
 
+def test_kv_aware_routes_to_the_server_holding_the_prefix(kv_fleet):
+    """Each server is warmed directly, not through the router, with a prefix of its own; the
+    router then sends each prefix's requests to the server its KV events say holds it."""
+    warm = {
+        index: f"Family {name}: " + " ".join(f"{name}{i} consectetur adipiscing" for i in range(16))
+        for index, name in enumerate(("echo", "golf"))
+    }
+    for index, prefix in warm.items():
+        server = kv_fleet.servers[index]
+        body = {"model": server.model, "prompt": prefix, "max_tokens": 1}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        # The router has applied the server's stored blocks once its subscriber logs them.
+        wait_until(
+            lambda url=server.url: (
+                f"kv_index live sequence advanced source={url}" in kv_fleet.logs()
+            ),
+            what="the router to receive the warm-up's KV events",
+        )
+    for tail in TAILS:
+        for index, prefix in warm.items():
+            served_by, cached = route(kv_fleet, prefix + tail)
+            assert served_by == index, (prefix[:12], tail)
+            assert cached >= 8 * 8
+
+
 def test_a_dead_server_leaves_rotation(fleet):  # last: it leaves the fleet one server short
-    # The server that took the first family's request (and cached its prefix) dies.
-    before = [served(s) for s in fleet.servers]
-    complete(fleet, FAMILIES[0] + TAILS[0])
-    after = wait_until(
-        lambda: now if sum(now := [served(s) for s in fleet.servers]) > sum(before) else None,
-        what="the request to be counted",
-    )
-    dead, alive = fleet.servers if after[0] > before[0] else fleet.servers[::-1]
+    # The server that takes the first family's request (and has its prefix cached) dies.
+    index, _ = route(fleet, FAMILIES[0] + TAILS[0])
+    dead, alive = fleet.servers[index], fleet.servers[1 - index]
     dead.process.kill()
     dead.process.wait(timeout=15)
+    # The router's health checks (every second here) take it out of rotation. Until then a
+    # request routed to it fails: vllm-router 0.1.17 answers a refused connection with a 500
+    # rather than retrying another worker.
+    wait_until(lambda: healthy_workers(fleet) == 1, timeout=30, what="the dead server to leave")
     before = served(alive)
-    # Every request succeeds: the router retries a request the dead server refuses on the
-    # live one, then its health checks take the dead one out.
+    # Then every request succeeds on the survivor, the dead server's families included.
     prompts = [family + tail for family in FAMILIES for tail in TAILS]
     for prompt in prompts:
         assert complete(fleet, prompt)["choices"][0]["finish_reason"] == "length"
-    wait_until(lambda: healthy_workers(fleet) == 1, timeout=30, what="the dead server to leave")
     wait_until(lambda: served(alive) - before == len(prompts), what="the survivor's counts")

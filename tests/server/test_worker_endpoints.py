@@ -51,3 +51,9 @@ def test_get_load_counts_requests_in_flight(server):
         assert load() == 1  # still going: 480 tokens near the 512-token context take longer
     # The client went away: the request is aborted and leaves the count.
     wait_until(lambda: load() == 0, what="the aborted request to leave the load")
+
+
+def test_kv_event_sources_is_empty_without_events(server):
+    response = httpx.get(server.url + "/kv_event_sources", timeout=30)
+    assert response.status_code == 200
+    assert response.json() == {}
