@@ -706,8 +706,9 @@ def _check_forward(line: ModelLine, runner: ModelRunner, block_size: int, states
     """One eager forward of a two-token sequence on the new cache, checked against the
     contract (`Model.forward`: float32 logits of the sampled rows, here the last, over the
     vocabulary), so a line that breaks it is refused by name when it loads instead of being
-    served. It writes only what a later sequence's prefill overwrites (block 0, slot 0)."""
-    batch = ForwardBatch.build([[0, 0]], [0], [[0]], [True], block_size, runner.device,
+    served. It writes only what a later sequence's prefill overwrites (its blocks, slot 0)."""
+    table = list(range(-(-2 // block_size)))  # two blocks when a block holds one token
+    batch = ForwardBatch.build([[0, 0]], [0], [table], [True], block_size, runner.device,
                                state_slots=[0] if states else None)  # fmt: skip
     with torch.inference_mode():
         logits = runner.forward(batch)
