@@ -1,15 +1,18 @@
 """A test-only model line whose model writes scripted answers, installed through a real entry
 point by `test_scripted_line.py`, so the server's chat features run end to end on known text.
 
-config.json holds `scripts`: a list of [marker, answer]. At a sequence's first step the model
-picks the first script whose marker's tokens occur in the prompt (an empty marker always
-matches), then emits that answer's tokens one per step, then EOS. A `§` in an answer is one
-digit drawn uniformly (so seeds show). The model keeps (script, step) in its state slot, like a
-recurrent line keeps its state; it has no weights.
+config.json holds `scripts`: a list of [marker, answer] or [marker, answer, seconds]. At a
+sequence's first step the model picks the first script whose marker's tokens occur in the prompt
+(an empty marker always matches), then emits that answer's tokens one per step, then EOS; a step
+that emits a token of a script with `seconds` takes at least that long (so that a test reading
+the stream sees each token's output apart, not merged by a consumer that fell behind). A `§` in
+an answer is one digit drawn uniformly (so seeds show). The model keeps (script, step) in its
+state slot, like a recurrent line keeps its state; it has no weights.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -31,11 +34,13 @@ class ScriptedModel(Model):
         self.eos = int(ctx.config["eos_token_id"])
         self.digits = [tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
         self.scripts = []
-        for marker, answer in ctx.config["scripts"]:
+        self.pauses = []
+        for marker, answer, *pause in ctx.config["scripts"]:
             ids: list[int] = []
             for i, piece in enumerate(answer.split("§")):
                 ids += ([RANDOM_DIGIT] if i else []) + tokenizer.encode(piece, False)
             self.scripts.append((tokenizer.encode(marker, False), ids))
+            self.pauses.append(float(pause[0]) if pause else 0.0)
 
     @property
     def vocab_size(self) -> int:
@@ -69,7 +74,7 @@ class ScriptedModel(Model):
         bounds = batch.query_start_loc_cpu.tolist()
         sampling = set(batch.logits_indices.tolist())
         logits = torch.full((len(sampling), self._vocab), -30.0)
-        row = 0
+        row, pause = 0, 0.0
         for i, slot in enumerate(batch.state_slots_cpu):
             if batch.seq_lens_cpu[i] == batch.query_lens_cpu[i]:  # its first step
                 state[slot] = torch.tensor([self._pick(ids[bounds[i] : bounds[i + 1]]), 0.0])
@@ -84,6 +89,8 @@ class ScriptedModel(Model):
                 logits[row, token] = 30.0
             state[slot, 1] += 1
             row += 1
+            pause = max(pause, self.pauses[script])
+        time.sleep(pause)
         return logits.to(batch.input_ids.device)
 
 

@@ -19,6 +19,7 @@ SCRIPTS = [
     ["<tool_response>", "It is sunny in Paris."],
     ["Plan my day", "<think>\nThe user wants a plan.\n</think>\n\nWake up, then work."],
     ["Pick numbers", "Yours: §§§§§§§§."],
+    ["Weather, one token at a time?", CALL, 0.05],
     ["", CALL],
 ]
 TOOLS = [{"type": "function", "function": {
@@ -148,7 +149,9 @@ def test_a_hermes_call_streams_its_arguments_as_they_arrive(scripted):
     """They came in one piece after the closing tag; now as vLLM's parsers send them: the
     call's id and name first, then its arguments in pieces."""
     server, _ = scripted
-    body = {"model": server.model, "messages": [{"role": "user", "content": "Weather?"}],
+    # The script pauses at each token: a busy test machine must not merge the pieces.
+    question = "Weather, one token at a time?"
+    body = {"model": server.model, "messages": [{"role": "user", "content": question}],
             "tools": TOOLS, "max_tokens": 100, "stream": True}  # fmt: skip
     raw = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).content
     pieces = [call for c in sse_payloads(raw) if c["choices"]
