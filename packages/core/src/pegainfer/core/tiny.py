@@ -24,9 +24,14 @@ from pegainfer.core.plugins import model_lines
 
 
 def save_sharded(tensors: dict[str, torch.Tensor], out_dir: Path, num_shards: int = 1) -> None:
-    """Write `model.safetensors`, or `num_shards` files and their index, as transformers does."""
+    """Write `model.safetensors`, or `num_shards` files and their index, as transformers does.
+    Tensors may live on any device: each file's are brought to the host as it is written."""
+
+    def host(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: t.cpu().contiguous() for n, t in chunk.items()}
+
     if num_shards == 1:
-        save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+        save_file(host(tensors), out_dir / "model.safetensors", metadata={"format": "pt"})
         return
     names = list(tensors)
     per_shard = math.ceil(len(names) / num_shards)
@@ -34,7 +39,7 @@ def save_sharded(tensors: dict[str, torch.Tensor], out_dir: Path, num_shards: in
     for shard in range(num_shards):
         file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
         chunk = {n: tensors[n] for n in names[shard * per_shard : (shard + 1) * per_shard]}
-        save_file(chunk, out_dir / file, metadata={"format": "pt"})
+        save_file(host(chunk), out_dir / file, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(chunk, file)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -96,5 +96,5 @@ def write_tiny_deepseek(
     if weights:
         dtype = getattr(torch, config["torch_dtype"])
         tensors = random_weights(cfg, seed, device=device, dtype=dtype)
-        save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+        save_sharded(tensors, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

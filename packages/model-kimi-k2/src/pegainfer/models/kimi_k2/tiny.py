@@ -90,5 +90,5 @@ def write_tiny_kimi(
         tensors = random_weights(cfg, seed, device=device, dtype=dtype)
         if scheme is not None:
             tensors = quantize_linear_layers(tensors, scheme)
-        save_sharded({n: t.cpu().contiguous() for n, t in tensors.items()}, out_dir, num_shards)
+        save_sharded(tensors, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -121,7 +121,7 @@ def write_tiny_qwen3(
     config = default_config(vocab_size, bos=endoftext, eos=im_end) | overrides
     dtype = getattr(torch, config["torch_dtype"])
     tensors = random_weights(Qwen3Config.from_dict(config), seed, device=device)
-    tensors = {n: t.to(dtype).cpu().contiguous() for n, t in tensors.items()}
+    tensors = {n: t.to(dtype) for n, t in tensors.items()}
     save_sharded(tensors, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     write_generation_config(out_dir, endoftext=endoftext, im_end=im_end)

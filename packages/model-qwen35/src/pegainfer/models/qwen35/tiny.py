@@ -150,7 +150,7 @@ def write_tiny_qwen35(
     }
     dtype = getattr(torch, text["dtype"])
     tensors = random_weights(Qwen35Config.from_dict(config), seed, device=device)
-    tensors = {n: t.to(dtype).cpu().contiguous() for n, t in tensors.items()}
+    tensors = {n: t.to(dtype) for n, t in tensors.items()}
     save_sharded(tensors, out_dir, num_shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"eos_token_id": [im_end, endoftext], "pad_token_id": endoftext,
