@@ -14,35 +14,21 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 from pathlib import Path
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+from pegainfer.core.process_info import rss_bytes, since_process_start
 
 
-def since_process_start() -> float:
-    """Seconds since this process was created (the kernel's start time, not Python's)."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/uptime") as f:
-        uptime = float(f.read().split()[0])
-    return uptime - start_ticks / _CLOCK_TICKS
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+def _phase(name: str) -> dict[str, object]:
+    return {"phase": name, "s": since_process_start(), "rss_mib": rss_bytes() / 2**20}
 
 
 def main() -> None:
-    phases = [{"phase": "interpreter started", "s": since_process_start(), "rss_mib": rss_mib()}]
+    phases = [_phase("interpreter started")]
 
     def mark(name: str) -> None:
-        phases.append({"phase": name, "s": since_process_start(), "rss_mib": rss_mib()})
+        phases.append(_phase(name))
         print(phases[-1], flush=True)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -59,8 +59,11 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.90, "Fraction of GPU memory the engine may use for weights, activations and KV cache."
     )
-    cpu_kv_cache_gib: float = _arg(
-        2.0, "On the CPU, the most memory (GiB) the KV cache may take when not sized by blocks."
+    cpu_kv_cache_gib: float | None = _arg(
+        None,
+        "On the CPU, the memory (GiB) of the KV cache when not sized by blocks; by default as "
+        "much as the weights take, at least 1/16 and at most 2 GiB (never more than "
+        "max_num_seqs sequences of max_model_len need).",
     )
     enable_prefix_caching: bool = _arg(
         True, "Do not reuse the KV blocks of earlier prompts' prefixes.", "--no-prefix-cache"
@@ -172,7 +175,7 @@ class EngineArgs:
             raise ConfigError(f"kv_offload_gib must be positive, got {self.kv_offload_gib}")
         if self.state_checkpoints < 0:
             raise ConfigError(f"state_checkpoints must be 0 or more, got {self.state_checkpoints}")
-        if self.cpu_kv_cache_gib <= 0:
+        if self.cpu_kv_cache_gib is not None and self.cpu_kv_cache_gib <= 0:
             raise ConfigError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
         if self.kv_events_config is not None:
             events = KVEventsConfig.parse(self.kv_events_config)

@@ -39,7 +39,6 @@ from pegainfer.core.kv.block_manager import BlockManager
 from pegainfer.core.kv.kv_cache import (
     ArenaSpec,
     StateSpec,
-    blocks_for_memory,
     bytes_per_block,
 )
 from pegainfer.core.kv.kv_events import KVEventsConfig, ZmqEventPublisher
@@ -47,9 +46,10 @@ from pegainfer.core.kv.kv_offload import HostMemoryTier
 from pegainfer.core.loading.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
 from pegainfer.core.plugins import detect_model_line, model_lines
+from pegainfer.core.process_info import StartupLog
 from pegainfer.core.runner.cuda_graphs import graph_buckets
 from pegainfer.core.runner.forward_batch import Feed, ForwardBatch, LogitsRows, to_device
-from pegainfer.core.runner.memory import KVSizing, fit_kv_blocks
+from pegainfer.core.runner.memory import KVSizing, cpu_kv_blocks, fit_kv_blocks
 from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunner
 from pegainfer.core.runner.piecewise_graphs import token_buckets
 from pegainfer.core.sampling.sampler import ScoredTokens, sample_requests
@@ -171,6 +171,7 @@ def _feeds(step: SchedulerStep) -> list[Feed]:
 class EngineCore:
     def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
         args.validate()
+        self._startup = StartupLog(logger)
         model_dir = resolve_model_dir(args.model, args.revision)
         model_config = read_config(model_dir)
         line = detect_model_line(model_config, model_lines() if lines is None else lines)
@@ -220,6 +221,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, device)
         if self.ranks is not None:  # the workers loaded their shares meanwhile
             self.ranks.join()
+        self._startup.mark("model loaded")
 
         max_model_len = args.max_model_len or self.model.max_position_embeddings
         if max_model_len > self.model.max_position_embeddings:
@@ -290,6 +292,7 @@ class EngineCore:
             if states
             else "",
         )
+        self._startup.mark("KV cache sized and allocated")
         if self.ranks is None:  # parallel ranks' forwards need a plan the workers follow
             _check_forward(line, self.runner, args.block_size, bool(states))
         if buckets:
@@ -298,6 +301,8 @@ class EngineCore:
             if self.ranks is not None:
                 self.ranks.capture_graphs(graph_spec)
             self.runner.capture(graph_spec)
+            self._startup.mark(f"{len(buckets)} decode graphs and {len(tokens)} mixed-step "
+                               "graphs captured")  # fmt: skip
         self.config = EngineConfig(
             model_dir=model_dir,
             tokenizer_dir=tokenizer_dir,
@@ -358,6 +363,7 @@ class EngineCore:
         self._step_tokens: list[int] = []  # per launched step, until the next stats()
         load_tokenizer = partial(line.load_tokenizer, tokenizer_dir)
         self.grammars = Grammars(load_tokenizer, self.config.vocab_size)
+        self._startup.mark("engine ready")
 
     @staticmethod
     def _host_tier(
@@ -433,9 +439,10 @@ class EngineCore:
         mixed_graphs: bool,
     ) -> int:
         if device.type == "cpu":
-            # Never more than every sequence slot at full length could use.
-            useful = args.max_num_seqs * -(-max_model_len // args.block_size)
-            return min(useful, blocks_for_memory(specs, int(args.cpu_kv_cache_gib * _GIB)))
+            gib = args.cpu_kv_cache_gib
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            return cpu_kv_blocks(specs, args.block_size, args.max_num_seqs, max_model_len,
+                                 weights, None if gib is None else int(gib * _GIB))  # fmt: skip
         sizing = KVSizing(args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
                           max_model_len, args.gpu_memory_utilization, num_slots,
                           mixed_graphs)  # fmt: skip

@@ -1,9 +1,13 @@
-"""Sizing the KV cache on a GPU from what a step actually uses.
+"""Sizing the KV cache: on a GPU from what a step actually uses, on the CPU from the model.
 
-After the weights are loaded, one worst-case step (a full-budget prefill, and sampling at the
-full batch width) runs on a scratch cache; its peak, the recurrent state, the transient memory
-the model declares (`Model.transient_bytes`), the weights and a reserve for CUDA graphs come
-off the memory `gpu_memory_utilization` allows, and the rest becomes KV blocks.
+On a GPU, after the weights are loaded, one worst-case step (a full-budget prefill, and
+sampling at the full batch width) runs on a scratch cache; its peak, the recurrent state, the
+transient memory the model declares (`Model.transient_bytes`), the weights and a reserve for
+CUDA graphs come off the memory `gpu_memory_utilization` allows, and the rest becomes KV blocks.
+
+On the CPU (`cpu_kv_blocks`) the cache is allocated and zeroed up front, so every byte of it
+is resident from the start: it gets what the user gives it (`--cpu-kv-cache-gib`) or, by
+default, as much memory as the weights take, within bounds.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 # CUDA graphs' private pool (decode activations are small) and allocator slack.
 _GRAPH_RESERVE = 1 * GIB
+# The CPU cache's default bounds (`cpu_kv_blocks`).
+CPU_KV_DEFAULT_MIN = 64 << 20
+CPU_KV_DEFAULT_MAX = 2 * GIB
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,25 @@ def profile_step_peak(
     del scratch, batch, logits
     torch.cuda.empty_cache()
     return peak
+
+
+def cpu_kv_blocks(
+    specs: list[ArenaSpec],
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    weight_bytes: int,
+    budget_bytes: int | None = None,
+) -> int:
+    """KV blocks for a CPU engine: `budget_bytes` of them, or by default as many bytes as the
+    weights (a CPU serves as many sequences at once as its compute allows, and that scales with
+    the weights), at least `CPU_KV_DEFAULT_MIN` and at most `CPU_KV_DEFAULT_MAX`; never more
+    than `max_num_seqs` sequences of `max_model_len` tokens can hold. (A tiny test model gets
+    64 MiB, 32k tokens, where a fixed 2 GiB kept its server at 2.3 GB resident.)"""
+    if budget_bytes is None:
+        budget_bytes = min(max(weight_bytes, CPU_KV_DEFAULT_MIN), CPU_KV_DEFAULT_MAX)
+    useful = max_num_seqs * -(-max_model_len // block_size)
+    return min(useful, blocks_for_memory(specs, budget_bytes))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from pegainfer.core.process_info import rss_bytes as process_rss
+
 _PROC = Path("/proc")
 
 
@@ -26,16 +28,7 @@ def descendants(pid: int) -> list[int]:
 
 def rss_bytes(pids: list[int]) -> int:
     """Sum of VmRSS over `pids` (processes that exited meanwhile count as 0)."""
-    total = 0
-    for pid in pids:
-        try:
-            status = (_PROC / str(pid) / "status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
+    return sum(process_rss(pid) for pid in pids)
 
 
 def gpu_bytes(pids: list[int]) -> int | None:

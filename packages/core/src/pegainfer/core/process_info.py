@@ -1,0 +1,47 @@
+"""A process's age and resident memory, read from /proc (Linux), and the start-up log built on
+them: each phase of an engine's start with the seconds since the process began and its RSS, so
+a slow or large start shows where the time and the memory went."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_MIB = 1 << 20
+
+
+def since_process_start() -> float:
+    """Seconds since this process was created (the kernel's start time, not Python's)."""
+    stat = Path("/proc/self/stat").read_text()
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - start_ticks / _CLOCK_TICKS
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """VmRSS of process `pid` (this one by default); 0 for a process that has exited."""
+    try:
+        status = Path(f"/proc/{pid or 'self'}/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0  # a zombie has no memory left
+
+
+class StartupLog:
+    """Logs `start-up: <phase>` lines with the process's age, its RSS and the RSS the phase
+    added."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._rss = rss_bytes()
+
+    def mark(self, phase: str) -> None:
+        rss = rss_bytes()
+        self._logger.info("start-up: %s at %.2f s, RSS %d MiB (%+d MiB)", phase,
+                          since_process_start(), rss / _MIB, (rss - self._rss) / _MIB)  # fmt: skip
+        self._rss = rss
