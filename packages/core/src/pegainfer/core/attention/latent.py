@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pegainfer.core.attention.paged import PagedIndex, PlanStaging, Split
+from pegainfer.core.attention.paged import PagedIndex, PlanStaging, Split, share_plan_buffers
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops.latent_attention import paged_latent_attention, ragged_attention
@@ -198,6 +198,8 @@ class FlashInferPagedLatentAttention(PagedLatentAttention):
             )
             for bucket in graph_buckets
         }
+        # A step plans one wrapper (eager or its bucket's), all under `_staging`.
+        share_plan_buffers([self._eager, *self._graph.values()])
         self._active = self._eager
         self._staging = PlanStaging()
 

@@ -145,6 +145,36 @@ class PlanStaging:
         self._planned.record()
 
 
+# What each FlashInfer wrapper allocates for its plans (0.6.x): an int workspace on the device
+# (the schedule plan() makes, read by run()) and a pinned host mirror it is staged in, 8 MiB
+# each. Names are FlashInfer's own (no public setter keeps the pinned mirror shared).
+_PLAN_BUFFERS = ("_int_workspace_buffer", "_pin_memory_int_workspace_buffer")
+
+
+def share_plan_buffers(wrappers: list[Any]) -> None:
+    """Give every wrapper the first one's plan buffers (device int workspace, pinned host
+    mirror), freeing the others' (the caching allocators reuse them for the next wrapper).
+
+    Sound for wrappers that never hold live plans at once and plan under one `PlanStaging`:
+    the decode-graph wrappers, one bucket per step, each planned right before it replays
+    (its graph reads the schedule from fixed offsets of the shared workspace, which its own
+    plan has just rewritten, in stream order after the last replay read it). FlashInfer
+    shares the float workspace between such wrappers itself. With one set per graph wrapper,
+    Qwen3-4B's 33 buckets held 264 MiB of pinned host memory and as much on the device."""
+    if not wrappers:
+        return
+    first = wrappers[0]
+    for name in _PLAN_BUFFERS:
+        if not isinstance(getattr(first, name, None), torch.Tensor):
+            raise RuntimeError(
+                f"{type(first).__name__} has no tensor {name}: this FlashInfer version lays "
+                "out its plan buffers differently (share_plan_buffers follows 0.6.x)"
+            )
+    for wrapper in wrappers[1:]:
+        for name in _PLAN_BUFFERS:
+            setattr(wrapper, name, getattr(first, name))
+
+
 class FlashInferPagedAttention(PagedAttention):
     def __init__(
         self,
@@ -181,6 +211,7 @@ class FlashInferPagedAttention(PagedAttention):
             )
             for bucket in graph_buckets
         }
+        share_plan_buffers(list(self._graph_decode.values()))  # planned under _graph_staging
         # Eager steps: decode rows, then prefill rows. The wrappers share the workspace (their
         # runs follow each other on one stream); each stages its own plan.
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -40,7 +40,7 @@ from pegainfer.core.attention.latent import (
     sequence_rows,
     sub_batch,
 )
-from pegainfer.core.attention.paged import PlanStaging
+from pegainfer.core.attention.paged import PlanStaging, share_plan_buffers
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops import sparse_attention
@@ -240,7 +240,7 @@ class FlashInferSparseLatent(SparseLatentBackend):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.rows_per_plan = rows_per_plan(shape.num_heads, sms)
         plans = -(-max_rows // self.rows_per_plan)
-        # Each wrapper stages its plans in its own pinned buffer (`PlanStaging`).
+        # Each eager wrapper stages its plans in its own pinned buffer (`PlanStaging`).
         self._eager = [(BatchMLAPagedAttentionWrapper(workspace, backend=backend), PlanStaging())
                        for _ in range(plans)]  # fmt: skip
         largest = max(graph_buckets, default=0)
@@ -255,6 +255,7 @@ class FlashInferSparseLatent(SparseLatentBackend):
         qo_indptr, kv_indptr = torch.zeros(largest + 1, **i32), torch.zeros(largest + 1, **i32)
         kv_lens = torch.zeros(largest, **i32)
         self._graph: dict[int, _Planned] = {}
+        graph_staging = PlanStaging()  # one bucket's plan per step: they share plan buffers
         for bucket in graph_buckets:
             # The wrapper's index buffer is the very tensor each plan passes (copying it onto
             # itself is skipped) and `run` gathers the selection into.
@@ -265,8 +266,9 @@ class FlashInferSparseLatent(SparseLatentBackend):
                 kv_indptr=kv_indptr[: bucket + 1], kv_indices=kv_indices,
                 kv_len_arr=kv_lens[:bucket], backend=backend,
             )  # fmt: skip
-            self._graph[bucket] = _Planned(wrapper, PlanStaging(), 0, bucket, kv_indices,
+            self._graph[bucket] = _Planned(wrapper, graph_staging, 0, bucket, kv_indices,
                                            gather[:width])  # fmt: skip
+        share_plan_buffers([planned.wrapper for planned in self._graph.values()])
         self._planned: list[_Planned] = []
 
     def _plan_rows(self, planned: _Planned, counts: np.ndarray, device_counts: torch.Tensor,
