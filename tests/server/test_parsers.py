@@ -8,8 +8,13 @@ import pytest
 from pegainfer.core.errors import ConfigError, ModelLineError
 from pegainfer.core.plugins import create_plugin_manager, hookimpl
 from pegainfer.server import cli, parsers
-from pegainfer.server.reasoning import KimiK2ThinkSplitter, ThinkSplitter
-from pegainfer.server.tool_calls import HermesToolCalls, KimiK2ToolCalls, Qwen3XmlToolCalls
+from pegainfer.server.reasoning import GlmThinkSplitter, KimiK2ThinkSplitter, ThinkSplitter
+from pegainfer.server.tool_calls import (
+    GlmToolCalls,
+    HermesToolCalls,
+    KimiK2ToolCalls,
+    Qwen3XmlToolCalls,
+)
 from tests.server.conftest import start_server, stop_server
 
 
@@ -28,10 +33,12 @@ def test_a_plugin_adds_a_parser_beside_the_builtins():
     pm.register(ShoutingPlugin())
     found = parsers.registry(pm)
     assert found["reasoning"] == {
-        "qwen3": ThinkSplitter, "kimi_k2": KimiK2ThinkSplitter, "shouting": Shouting,
+        "qwen3": ThinkSplitter, "kimi_k2": KimiK2ThinkSplitter, "glm45": GlmThinkSplitter,
+        "shouting": Shouting,
     }  # fmt: skip
     assert found["tool_call"] == {
         "hermes": HermesToolCalls, "qwen3_xml": Qwen3XmlToolCalls, "kimi_k2": KimiK2ToolCalls,
+        "glm45": GlmToolCalls, "glm47": GlmToolCalls,
     }  # fmt: skip
 
 
@@ -55,7 +62,7 @@ def test_flags_override_the_line_defaults():
     chosen = parsers.resolve(found, {"reasoning": "none", "tool_call": "hermes"}, line)
     assert chosen == {"reasoning": None, "tool_call": HermesToolCalls}
     assert parsers.resolve(found, {}, {}) == {"reasoning": None, "tool_call": None}
-    with pytest.raises(ConfigError, match="unknown tool_call parser 'nope'; known: hermes"):
+    with pytest.raises(ConfigError, match="unknown tool_call parser 'nope'; known: glm45, "):
         parsers.resolve(found, {"tool_call": "nope"}, line)
 
 

@@ -206,7 +206,7 @@ class Chat:
         if forced is not None:
             return forced[1]
         if body.tools and body.tool_choice != "none" and self.tool_call_parser:
-            return self.tool_call_parser
+            return partial(self.tool_call_parser.for_request, body.tools)
         return None
 
     async def create(self, body: ChatCompletionRequest) -> ChatCompletionResponse:

@@ -4,7 +4,8 @@ Qwen3 thinks inside `<think>…</think>` at the start of its answer (with thinki
 template already closes an empty block in the prompt, so the answer holds no tags). Kimi-K2's
 thinking models think from the answer's first token, `<think>` optional, until `</think>` or a
 tool-call section (vLLM's kimi_k2 parser); `chat_template_kwargs` `thinking: false` turns the
-split off. The split works on text as it streams: a tag cut across two deltas is held back,
+split off. GLM-5 thinks the same way, until `</think>` or a tool call (`enable_thinking: false`
+turns it off). The split works on text as it streams: a tag cut across two deltas is held back,
 never shown as text.
 """
 
@@ -83,13 +84,15 @@ class ThinkSplitter:
         return "", held
 
 
-class KimiK2ThinkSplitter(ThinkSplitter):
-    """Kimi-K2-Thinking's answers: reasoning from the first token (a `<think>` there is
-    dropped) until `</think>`, or until a tool-call section starts, which the tool-call parser
-    then reads; everything is content when the request turned thinking off."""
+class OpenThinkSplitter(ThinkSplitter):
+    """Answers to a chat template that leaves the thinking open: reasoning from the first token
+    (a `<think>` there is dropped) until `</think>`, or until one of `implicit_ends` (a tool call
+    starting, which the tool-call parser then reads); all content when the request turned
+    thinking off with the template's `switch` (the template then closes the block itself)."""
 
     starts_inside = True
-    implicit_ends = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+    #: The chat_template_kwargs flag the template turns thinking off with (on by default).
+    switch: ClassVar[str]
 
     def __init__(self, thinking: bool = True) -> None:
         super().__init__()
@@ -98,8 +101,25 @@ class KimiK2ThinkSplitter(ThinkSplitter):
 
     @classmethod
     def for_request(cls, chat_template_kwargs: dict[str, Any]) -> ThinkSplitter:
-        # The chat template's switch, on unless a request turns it off (as vLLM reads it).
-        return cls(thinking=bool(chat_template_kwargs.get("thinking", True)))
+        return cls(thinking=bool(chat_template_kwargs.get(cls.switch, True)))
+
+
+class KimiK2ThinkSplitter(OpenThinkSplitter):
+    """Kimi-K2-Thinking's answers (vLLM's kimi_k2): `thinking: false` turns it off; a tool-call
+    section ends the thinking."""
+
+    switch = "thinking"
+    implicit_ends = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+
+
+class GlmThinkSplitter(OpenThinkSplitter):
+    """GLM-4.5 … GLM-5's answers (vLLM's glm45): GLM-5's template opens `<think>` in the
+    prompt, GLM-4.5's lets the model write it; `enable_thinking: false` turns it off (the
+    template closes an empty block in the prompt); a tool call ends the thinking (a call forced
+    by tool_choice starts the answer)."""
+
+    switch = "enable_thinking"
+    implicit_ends = ("<tool_call>",)
 
 
 def partial_tag_length(text: str, tag: str) -> int:
@@ -111,4 +131,8 @@ def partial_tag_length(text: str, tag: str) -> int:
     return 0
 
 
-REASONING_PARSERS = {"qwen3": ThinkSplitter, "kimi_k2": KimiK2ThinkSplitter}
+REASONING_PARSERS = {
+    "qwen3": ThinkSplitter,
+    "kimi_k2": KimiK2ThinkSplitter,
+    "glm45": GlmThinkSplitter,
+}

@@ -161,10 +161,13 @@ def forced_tool_calls(
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
-    native = parser.forced_output(functions, name, parallel) if parser is not None else None
+    try:
+        native = parser.forced_output(functions, name, parallel) if parser is not None else None
+    except InvalidRequestError as exc:  # the tools ask what the parser's format cannot write
+        raise bad_request(str(exc), "tool_choice") from exc
     if native is not None:
         check("tool_choice", native)
-        return native, parser
+        return native, partial(parser.for_request, tools)
     output = (
         _required_calls(functions, parallel)
         if name is None

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.server.reasoning import partial_tag_length
 
@@ -63,6 +64,12 @@ class ToolCallParser(ABC):
     #: The calls are written in special tokens, which the answer's text must then keep
     #: (requests with tools decode with skip_special_tokens off, as vLLM's kimi_k2 parser asks).
     needs_special_tokens: ClassVar[bool] = False
+
+    @classmethod
+    def for_request(cls, tools: list[dict[str, Any]]) -> ToolCallParser:
+        """The parser of one answer to a request that offers `tools` (OpenAI's tool objects);
+        a format that writes arguments untyped reads their types from the tools' schemas."""
+        return cls()
 
     @abstractmethod
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -435,8 +442,213 @@ def _call(name: str, arguments: str, index: int | None = None) -> ToolCall:
     return ToolCall(f"call_{secrets.token_hex(12)}", name, arguments, index)
 
 
+# GLM's argument tags (plain text in its tokenizer, not special tokens).
+_ARG_KEY, _ARG_KEY_END = "<arg_key>", "</arg_key>"
+_ARG_VALUE, _ARG_VALUE_END = "<arg_value>", "</arg_value>"
+_GLM_NAME = re.compile(r"[^\s<>]+")
+_NAME, _GAP, _KEY, _VALUE_GAP, _VALUE = range(5)
+
+
+class GlmToolCalls(TaggedToolCalls):
+    """GLM-4.5 … GLM-5's calls (vLLM's glm45 and glm47 parsers): `<tool_call>NAME`, then per
+    argument `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`, then `</tool_call>`; GLM-4.5
+    and 4.6 put a newline after the name and between the tags, GLM-4.7 and 5 nothing. Values are
+    written bare: a parameter whose schema type is "string" is its text as written, any other
+    value is read as JSON (stripped; text that is not JSON stays a string). Arguments stream as
+    they arrive: a string value piece by piece, any other once its closing tag is in."""
+
+    def __init__(self, parameters: dict[str, dict[str, Any]] | None = None) -> None:
+        super().__init__()
+        self._parameters = parameters or {}  # function -> its parameters' schema
+        self._reader: _GlmArguments | None = None
+
+    @classmethod
+    def for_request(cls, tools: list[dict[str, Any]]) -> ToolCallParser:
+        return cls({t["function"]["name"]: parameters_schema(t["function"]) for t in tools})
+
+    def stream(self, body: str, done: bool) -> list[ToolCall] | None:
+        if self._reader is None:
+            self._reader = _GlmArguments(self._parameters)
+        reader = self._reader
+        was_named = reader.name is not None
+        arguments = reader.read(body, done)
+        if done:
+            self._reader = None
+        if reader.name is None:
+            return None
+        pieces = [] if was_named else [_call(reader.name, "", self._calls)]
+        return pieces + [ToolCall(None, None, a, self._calls) for a in arguments if a]
+
+    def parse(self, body: str) -> ToolCall | None:
+        self._reader = None  # the call arrived whole: read it afresh
+        reader = _GlmArguments(self._parameters)
+        arguments = "".join(reader.read(body, done=True))
+        return None if reader.name is None else _call(reader.name, arguments)
+
+    @classmethod
+    def forced_output(
+        cls, functions: dict[str, dict[str, Any]], name: str | None, parallel: bool
+    ) -> StructuredOutput:
+        """A Lark grammar of calls in GLM's tags, each argument's value held to its
+        parameter's schema: string parameters bare text, any other compact JSON. Required
+        parameters come first, then the optional ones, each in the schema's order."""
+        names = [name] if name is not None else list(functions)
+        rules = []
+        for i, function in enumerate(names):
+            arguments = _glm_argument_rules(f"args{i}", parameters_schema(functions[function]))
+            rules += [f"call{i}: {json.dumps(_GLM_CALL_BEGIN + function)} args{i} "
+                      f"{json.dumps(_GLM_CALL_END)}", *arguments]  # fmt: skip
+        repeat = "+" if parallel and name is None else ""
+        grammar = "\n".join([
+            f"start: call{repeat}",
+            "call: " + " | ".join(f"call{i}" for i in range(len(names))),
+            *rules,
+        ])  # fmt: skip
+        return StructuredOutput(kind="grammar", spec=grammar)
+
+
+_GLM_CALL_BEGIN, _GLM_CALL_END = GlmToolCalls.start_tag, GlmToolCalls.end_tag
+# The keywords a bare string value can be held to; others (a pattern, a format) would need
+# JSON's quoted strings, which GLM does not write.
+_BARE_STRING_KEYWORDS = frozenset({"type", "enum", "const", "minLength", "maxLength",
+                                   "title", "description", "default", "examples"})  # fmt: skip
+
+
+def _glm_argument_rules(rule: str, parameters: dict[str, Any]) -> list[str]:
+    """Lark rules for one function's arguments (`rule`: their sequence); each value's rule
+    takes its closing tag too."""
+    properties = parameters.get("properties") or {}
+    if not properties:  # no declared parameters: any, unless the schema allows none
+        if parameters.get("additionalProperties") is False:
+            return [f'{rule}: ""']
+        key = f"{rule}_key: /[^<>]+/"
+        pair = f'"{_ARG_KEY}" {rule}_key "{_ARG_KEY_END}{_ARG_VALUE}" {rule}_value'
+        return [f"{rule}: ({pair})*", key, _bare_string(f"{rule}_value", "*")]
+    required = set(parameters.get("required") or ())
+    order = [k for k in properties if k in required] + [k for k in properties if k not in required]
+    rules, parts = [], []
+    defs = {"$defs": parameters["$defs"]} if "$defs" in parameters else {}
+    for j, key in enumerate(order):
+        rules.append(_glm_value_rule(f"{rule}_{j}", key, properties[key], defs))
+        pair = f"{json.dumps(_ARG_KEY + key + _ARG_KEY_END + _ARG_VALUE)} {rule}_{j}"
+        parts.append(pair if key in required else f"({pair})?")
+    return [f"{rule}: " + " ".join(parts), *rules]
+
+
+def _glm_value_rule(rule: str, key: str, schema: Any, defs: dict[str, Any]) -> str:
+    """The Lark rule of one parameter's value, up to and including its closing tag."""
+    end = json.dumps(_ARG_VALUE_END)
+    if not isinstance(schema, dict) or schema.get("type") != "string":
+        compact = {"x-guidance": {"whitespace_flexible": False}}
+        schema = (schema if isinstance(schema, dict) else {}) | defs | compact
+        return f"{rule}: %json {json.dumps(schema)} {end}"
+    unsupported = sorted(set(schema) - _BARE_STRING_KEYWORDS)
+    if unsupported:
+        raise InvalidRequestError(
+            f"tool_choice cannot hold string parameter {key!r} to {', '.join(unsupported)}: "
+            "GLM writes string values bare, not as JSON strings", "tool_choice")  # fmt: skip
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        return (
+            f"{rule}: ("
+            + " | ".join(json.dumps(str(v), ensure_ascii=False) for v in values)
+            + f") {end}"
+        )
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if low is None and high is None:
+        return _bare_string(rule, "*")
+    return _bare_string(rule, f"{{{int(low or 0)},{'' if high is None else int(high)}}}")
+
+
+def _bare_string(rule: str, repeat: str) -> str:
+    """A rule of any text (`repeat` characters of it) up to the first closing tag: lazy, so the
+    value ends where `</arg_value>` first appears."""
+    return rf"{rule}[lazy]: /(?s:.{repeat})<\/arg_value>/"
+
+
+class _GlmArguments:
+    """One GLM call's body read as it grows: its name, then its arguments as pieces of JSON
+    text whose concatenation, once the call is done, is the whole call's arguments."""
+
+    def __init__(self, parameters: dict[str, dict[str, Any]]) -> None:
+        self._parameters = parameters
+        self.name: str | None = None
+        self._state, self._pos = _NAME, 0
+        self._key = ""
+        self._value_at = 0  # where the current value starts
+        self._pairs = 0  # arguments begun so far
+
+    def read(self, body: str, done: bool) -> list[str]:
+        """The arguments' JSON that `body` (the call so far; all of it when `done`) adds."""
+        out: list[str] = []
+        while True:
+            if self._state == _NAME:
+                start = len(body) - len(body.lstrip())
+                ends = [at for tag in ("\n", _ARG_KEY) if (at := body.find(tag, start)) >= 0]
+                if not ends and not done:
+                    return out
+                end = min(ends, default=len(body))
+                if not _GLM_NAME.fullmatch(name := body[start:end].strip()):
+                    return out  # not a call: the name stays None
+                self.name, self._pos, self._state = name, end, _GAP
+            elif self._state in (_GAP, _KEY, _VALUE_GAP):
+                tag = {_GAP: _ARG_KEY, _KEY: _ARG_KEY_END, _VALUE_GAP: _ARG_VALUE}[self._state]
+                at = body.find(tag, self._pos)
+                if at < 0:
+                    break  # a pair cut before its value is left out
+                if self._state == _KEY:
+                    self._key = body[self._pos : at].strip()
+                self._pos = at + len(tag)
+                self._state += 1
+                if self._state == _VALUE:
+                    self._value_at = self._pos
+                    if self._is_string():
+                        out.append(self._pair_head() + '"')
+            else:  # _VALUE
+                at = body.find(_ARG_VALUE_END, self._pos)
+                end = at if at >= 0 else len(body)
+                if at < 0 and not done:
+                    # Hold back what may be the start of a closing tag (the value's or the call's).
+                    end -= _partial(body[self._pos :], (_ARG_VALUE_END, _GLM_CALL_END))
+                if self._is_string():
+                    out.append(json.dumps(body[self._pos : end], ensure_ascii=False)[1:-1])
+                    self._pos = end
+                if at < 0 and not done:
+                    return out
+                raw = body[self._value_at : end]
+                out.append('"' if self._is_string() else self._pair_head() + _json_value(raw))
+                self._pos, self._state = (at + len(_ARG_VALUE_END) if at >= 0 else end), _GAP
+        if done:
+            out.append("}" if self._pairs else "{}")
+        return out
+
+    def _is_string(self) -> bool:
+        properties = self._parameters.get(self.name or "", {}).get("properties") or {}
+        schema = properties.get(self._key)
+        return isinstance(schema, dict) and schema.get("type") == "string"
+
+    def _pair_head(self) -> str:
+        """`{"key": ` for the first argument, `, "key": ` for the others."""
+        self._pairs += 1
+        key = json.dumps(self._key, ensure_ascii=False)
+        return ("{" if self._pairs == 1 else ", ") + key + ": "
+
+
+def _json_value(raw: str) -> str:
+    """A non-string parameter's value as JSON: itself if it is JSON, else the text (stripped)
+    as a string."""
+    text = raw.strip()
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except json.JSONDecodeError:
+        return json.dumps(text, ensure_ascii=False)
+
+
 TOOL_CALL_PARSERS = {
     "hermes": HermesToolCalls,
     "qwen3_xml": Qwen3XmlToolCalls,
     "kimi_k2": KimiK2ToolCalls,
+    # vLLM's names: glm45 reads GLM-4.5/4.6's layout, glm47 GLM-4.7/5's; this one reads both.
+    "glm45": GlmToolCalls,
+    "glm47": GlmToolCalls,
 }
