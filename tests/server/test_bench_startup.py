@@ -23,13 +23,33 @@ def test_startup_cold_and_warm(tiny_model, tmp_path):
     args = argparse.Namespace(
         model_path=str(tiny_model), port=free_port(), cold_runs=1, warm_runs=1, settle=0.2,
         timeout=60.0, cache_dir=None, server_args=["--device", "cpu", "--max-model-len", "256"],
-        result_json=str(out),
+        result_json=str(out), log_dir=str(tmp_path / "logs"), drop_page_cache=False,
     )  # fmt: skip
     result = startup.main(args)
     assert [r["cache"] for r in result["runs"]] == ["cold", "warm"]
+    assert result["runs"][0]["page_cache_dropped"] is False
+    # The cold run filled the warm cache: two starts in all, each with its log.
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "server_cold0.log",
+        "server_warm1.log",
+    ]
     for run in result["runs"]:
         assert 0 < run["ready_s"] < 60
-        # torch alone keeps a few hundred MiB resident; the tree is the server process.
-        assert 100 < run["idle_rss_mib"] < 4096
-        assert run["processes"] >= 1
+        # torch keeps a few hundred MiB resident in each of the server and engine processes.
+        assert 100 < run["idle_rss_mib"] < 1024
+        assert run["processes"] >= 2
+        names = [phase["phase"] for phase in run["phases"]]
+        assert names[0] == "model loaded" and names[-1] == "engine ready", names
+        assert all(0 < phase["s"] < run["ready_s"] + 5 for phase in run["phases"])
     assert json.loads(out.read_text()) == result
+
+
+def test_phases_are_read_from_the_log():
+    log = (
+        "x INFO pegainfer.core.engine.core: start-up: model loaded at 3.25 s, RSS 812 MiB "
+        "(+90 MiB)\nother line\n... start-up: engine ready at 4.50 s, RSS 900 MiB (+88 MiB)"
+    )
+    assert startup.phases(log) == [
+        {"phase": "model loaded", "s": 3.25, "rss_mib": 812},
+        {"phase": "engine ready", "s": 4.5, "rss_mib": 900},
+    ]

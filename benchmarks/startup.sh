@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 21's start-up rows in one device call, written under $OUT as one archive:
+#   source .gpu/on-device.sh && PEGAINFER_REVISION=REV bash benchmarks/startup.sh
+# tests:   the GPU tests of the start-up work (shared FlashInfer plan buffers, the warm-up);
+# startup: per model line (SHAPES: Qwen3-4B, Qwen3.5-4B, DeepSeek-V2-Lite shapes with random
+#          weights from make-checkpoint), `pegainfer-bench startup`: COLD_RUNS starts with empty
+#          FlashInfer, Triton and CUDA kernel caches and the page cache dropped (the first also
+#          fills the warm cache), then WARM_RUNS starts on it; each records the time to
+#          /health 200, the idle RSS of the process tree, GPU memory and the server's start-up
+#          phases (time and RSS). The restored caches in ~ are not used by either.
+# A line whose checkpoint is missing is written first (seconds to a minute; not timed).
+set -uo pipefail
+: "${OUT:?set OUT to the folder whose files come back}"
+STAGES=${STAGES:-"tests startup"}
+SHAPES=${SHAPES:-"qwen3-4b qwen35-4b deepseek-v2-lite"}
+COLD_RUNS=${COLD_RUNS:-1}
+WARM_RUNS=${WARM_RUNS:-2}
+SERVER_ARGS=${SERVER_ARGS:---max-model-len 20480}
+REV=${PEGAINFER_REVISION:-unknown}
+mkdir -p "$OUT"
+
+checkpoint() {  # SHAPE DIR
+  [ -f "$2/config.json" ] && return
+  local tokenizer=(--tokenizer-from .gpu/qwen3tok)
+  [ "$1" = deepseek-v2-lite ] && tokenizer=()  # the line's own small tokenizer
+  pegainfer-bench make-checkpoint "$1" "$2" "${tokenizer[@]}" > "$OUT/checkpoint_$1.log" 2>&1
+  echo "checkpoint $1: exit $? ($(tail -1 "$OUT/checkpoint_$1.log"))"
+}
+
+for stage in $STAGES; do
+  case $stage in
+    tests)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/core/test_plan_buffers_gpu.py \
+        ${MORE_TESTS:-} > "$OUT/tests.log" 2>&1
+      echo "tests: exit $? ($(tail -1 "$OUT/tests.log"))"
+      ;;
+    startup)
+      for shape in $SHAPES; do
+        ckpt=/tmp/$shape
+        checkpoint "$shape" "$ckpt"
+        timeout 420 pegainfer-bench startup --model-path "$ckpt" --cold-runs "$COLD_RUNS" \
+          --warm-runs "$WARM_RUNS" --drop-page-cache --server-args "$SERVER_ARGS" \
+          --log-dir "$OUT/startup_$shape" --result-json "$OUT/startup_${shape}_$REV.json" \
+          > "$OUT/startup_$shape.log" 2>&1
+        echo "startup $shape: exit $?"; grep -E "run [0-9]+:" "$OUT/startup_$shape.log"
+      done
+      ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+# At most eight files come back: the logs and JSONs travel as one archive.
+# (Built outside $OUT: tar fails on an archive growing inside the folder it reads.)
+tar -czf /tmp/results.tgz -C "$OUT" --exclude 'jit.tgz.part*' . \
+  && find "$OUT" -mindepth 1 -maxdepth 1 ! -name 'jit.tgz.part*' -exec rm -rf {} + \
+  && mv /tmp/results.tgz "$OUT/"
