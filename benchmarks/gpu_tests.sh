@@ -18,5 +18,6 @@ for file in $FILES; do
   code=$?
   echo "$file: exit $code in $(( $(date +%s) - start )) s: $(tail -1 "$logs/$name.log")"
   grep -E "^(FAILED|ERROR) " "$logs/$name.log" | head -8
+  # After every file, so that a call cut short by its time limit still brings the logs back.
+  tar czf "$OUT/gpu_tests.tgz" -C "$logs" .
 done
-tar czf "$OUT/gpu_tests.tgz" -C "$logs" .
