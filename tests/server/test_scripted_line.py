@@ -15,20 +15,24 @@ from tests.server.conftest import start_server, stop_server
 from tests.server.helpers import install_scripted_line, sse_payloads
 
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+XML_CALL = ("<tool_call>\n<function=weather>\n<parameter=city>\nSão Paulo, 2024\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
 SCRIPTS = [
     ["<tool_response>", "It is sunny in Paris."],
     ["Plan my day", "<think>\nThe user wants a plan.\n</think>\n\nWake up, then work."],
     ["Pick numbers", "Yours: §§§§§§§§."],
     ["Weather, one token at a time?", CALL, 0.05],
+    ["Weather as XML, one token at a time?", XML_CALL, 0.05],
     ["", CALL],
 ]
 TOOLS = [{"type": "function", "function": {
-    "name": "weather", "parameters": {"type": "object",
-                                      "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    "name": "weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}}]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
+def scripted_model(tmp_path_factory):
+    """The scripted line's checkpoint and the environment that installs it."""
     root = tmp_path_factory.mktemp("scripted")
     env = install_scripted_line(root / "plugin")
     model = root / "model"
@@ -37,7 +41,13 @@ def scripted(tmp_path_factory):
     scripted_config = {"model_type": "scripted", "vocab_size": config["vocab_size"],
                        "eos_token_id": config["eos_token_id"], "scripts": SCRIPTS}  # fmt: skip
     (model / "config.json").write_text(json.dumps(scripted_config))
-    server = start_server(model, root / "server.log", "--max-model-len", "2048", env=env)
+    return model, env
+
+
+@pytest.fixture(scope="module")
+def scripted(scripted_model):
+    model, env = scripted_model
+    server = start_server(model, model.parent / "server.log", "--max-model-len", "2048", env=env)
     yield server, openai.OpenAI(base_url=server.base_url, api_key="none")
     stop_server(server)
 
@@ -161,3 +171,29 @@ def test_a_hermes_call_streams_its_arguments_as_they_arrive(scripted):
     assert len(rest) > 1 and all(set(p) == {"index", "function"} for p in rest)
     arguments = first["function"]["arguments"] + "".join(p["function"]["arguments"] for p in rest)
     assert json.loads(arguments) == {"city": "Paris"}
+
+
+def test_an_xml_call_streams_its_arguments_typed_by_the_tools_schema(scripted_model):
+    """Qwen3.5's XML calls (qwen3_xml) stream too: the string value as it arrives, the
+    integer once whole; the values typed by the request's tools (the city stays a string,
+    though it holds a number), streamed and not alike."""
+    model, env = scripted_model
+    server = start_server(model, model.parent / "xml-server.log", "--max-model-len", "2048",
+                          "--tool-call-parser", "qwen3_xml", env=env)  # fmt: skip
+    try:
+        question = [{"role": "user", "content": "Weather as XML, one token at a time?"}]
+        body = {"model": server.model, "tools": TOOLS, "max_tokens": 100, "messages": question}
+        raw = httpx.post(server.base_url + "/chat/completions", json=body | {"stream": True},
+                         timeout=60).content  # fmt: skip
+        whole = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()
+    finally:
+        stop_server(server)
+    chunks = [c["choices"][0] for c in sse_payloads(raw) if c["choices"]]
+    first, *rest = [call for c in chunks for call in c["delta"].get("tool_calls") or []]
+    assert first["id"].startswith("call_") and first["function"]["name"] == "weather"
+    assert len(rest) > 3 and all(set(p) == {"index", "function"} for p in rest)
+    arguments = first["function"]["arguments"] + "".join(p["function"]["arguments"] for p in rest)
+    assert json.loads(arguments) == {"city": "São Paulo, 2024", "days": 3}
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["arguments"] == arguments

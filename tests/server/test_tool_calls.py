@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass
 
 import openai
 import pytest
@@ -123,14 +124,41 @@ def check_arguments(arguments: str) -> None:
     assert isinstance(parsed["city"], str) and len(parsed["city"]) <= 6
 
 
+@dataclass
+class StreamedCall:
+    id: str
+    name: str
+    arguments: str
+    pieces: int  # argument pieces after the first (the one naming the call)
+
+
+def streamed_calls(deltas) -> list[StreamedCall]:
+    """The calls a stream's tool_call deltas make, joined by index as clients join them: the
+    first piece of a call carries its id and name (once), the others more of its arguments."""
+    calls: dict[int, StreamedCall] = {}
+    for delta in deltas:
+        for piece in delta.tool_calls or []:
+            if piece.index not in calls:
+                assert piece.id and piece.function.name, piece
+                calls[piece.index] = StreamedCall(piece.id, piece.function.name,
+                                                  piece.function.arguments or "", 0)  # fmt: skip
+                continue
+            assert piece.id is None and piece.function.name is None, piece
+            calls[piece.index].arguments += piece.function.arguments
+            calls[piece.index].pieces += 1
+    return list(calls.values())
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "tides"])
 def test_forced_tool_choice_is_decoded_into_calls(tool_server, choice, stream):
     """tool_choice "required" and a named function constrain the random model's answer to
-    calls of the offered tools, whose arguments match their schema (three seeds each)."""
+    calls of the offered tools, whose arguments match their schema (three seeds each);
+    streamed, the arguments go out as they are decoded, not whole at the end."""
     client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
     tool_choice = choice if choice == "required" else {"type": "function",
                                                        "function": {"name": choice}}  # fmt: skip
+    pieces = 0
     for seed in range(3):
         kwargs = dict(model=tool_server.model, tools=BOUNDED, tool_choice=tool_choice,
                       max_tokens=200, seed=seed, temperature=1.0,
@@ -138,18 +166,24 @@ def test_forced_tool_choice_is_decoded_into_calls(tool_server, choice, stream):
         if stream:
             deltas = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs)
                       if c.choices]  # fmt: skip
-            calls = [call for d in deltas for call in d.delta.tool_calls or []]
+            calls = streamed_calls(d.delta for d in deltas)
+            pieces += sum(call.pieces for call in calls)
             reason = deltas[-1].finish_reason
             assert "".join(d.delta.content or "" for d in deltas) == ""
         else:
             message = client.chat.completions.create(**kwargs).choices[0]
-            calls, reason = message.message.tool_calls, message.finish_reason
+            reason = message.finish_reason
+            calls = [StreamedCall(c.id, c.function.name, c.function.arguments, 0)
+                     for c in message.message.tool_calls or []]  # fmt: skip
             assert message.message.content is None
         assert reason == "tool_calls" and calls
         for call in calls:
-            assert call.function.name == choice or choice == "required"
-            assert call.function.name in {"weather", "tides"} and call.id.startswith("call_")
-            check_arguments(call.function.arguments)
+            assert call.name == choice or choice == "required"
+            assert call.name in {"weather", "tides"} and call.id.startswith("call_")
+            check_arguments(call.arguments)
+    # Each call's arguments are a dozen tokens or more: they came in more pieces than calls
+    # (a consumer behind the engine may get several tokens at once, never all of them).
+    assert not stream or pieces > 3
 
 
 def _nested_tool(name: str, field: str, model: dict) -> dict:
@@ -219,13 +253,13 @@ def test_parallel_tool_calls_false_makes_required_one_call(tool_server, stream):
                       messages=[{"role": "user", "content": "Weather in Paris?"}])  # fmt: skip
         if stream:
             chunks = client.chat.completions.create(stream=True, **kwargs)
-            calls = [
-                call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []
-            ]
+            arguments = [c.arguments for c in streamed_calls(c.choices[0].delta for c in chunks
+                                                              if c.choices)]  # fmt: skip
         else:
             calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-        assert len(calls) == 1, (seed, calls)
-        check_arguments(calls[0].function.arguments)
+            arguments = [c.function.arguments for c in calls]
+        assert len(arguments) == 1, (seed, arguments)
+        check_arguments(arguments[0])
 
 
 def test_hermes_arguments_go_out_as_they_arrive():

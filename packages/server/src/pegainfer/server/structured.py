@@ -5,9 +5,9 @@ OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_ou
 `guided_regex`, `guided_choice`, `guided_grammar` all become one `StructuredOutput`; so do chat's
 `tool_choice` "required" and a named function, which vLLM enforces the same way: the model must
 write the named function's arguments as JSON, or a JSON array of `{"name", "parameters"}`
-calls of the offered tools, and the answer's JSON becomes its `tool_calls` (or, where the
-tool-call parser has a grammar of its own format, as Kimi-K2's has, the calls as the model
-writes them unconstrained).
+calls of the offered tools, and the answer's JSON becomes its `tool_calls`, streamed as it is
+decoded (or, where the tool-call parser has a grammar of its own format, as Kimi-K2's has, the
+calls as the model writes them unconstrained).
 """
 
 from __future__ import annotations

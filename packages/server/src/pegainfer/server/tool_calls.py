@@ -5,11 +5,15 @@ is content. Inside, Qwen3 (hermes style) writes a JSON object `{"name": ..., "ar
 {...}}`; Qwen3.5 and Qwen3-Coder write XML, `<function=NAME>` holding one
 `<parameter=KEY>VALUE</parameter>` per argument. Kimi-K2 writes its calls in special tokens,
 a section of `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}
-<|tool_call_end|>` (see `KimiK2ToolCalls`). Streamed, a hermes or Kimi call goes out as its
-arguments arrive (as vLLM's parsers send them: a first piece with the call's id and name, then
-pieces of its arguments' JSON); other calls go out whole once their closing tag arrives. Text
-that might be the start of a tag is held back. A body that does not parse (and has not started
-streaming) stays text, as the model wrote it.
+<|tool_call_end|>` (see `KimiK2ToolCalls`). Under tool_choice "required" or a named function
+the model writes JSON the grammar holds it to (`ForcedToolCalls`).
+
+Streamed, every call goes out as its arguments arrive, as vLLM's parsers send them: a first
+piece with the call's id and name, then pieces of its arguments' JSON, whose concatenation is
+exactly the arguments of the same answer parsed whole (a call that arrives whole goes through
+the same reading). Text that might be the start of a tag is held back. A body that does not
+start as a call stays text, as the model wrote it; one that started going out and is cut short
+stays cut short.
 """
 
 from __future__ import annotations
@@ -228,25 +232,201 @@ class HermesToolCalls(TaggedToolCalls):
         return _call(parsed["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+# The start of an XML call, up to its function's name.
+_XML_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER_START = "<parameter="
+_PARAMETER_END = "</parameter>"
+_FUNCTION_END = "</function>"
+_BETWEEN, _VALUE, _CLOSED = range(3)
 
 
 class Qwen3XmlToolCalls(TaggedToolCalls):
+    """Qwen3.5's and Qwen3-Coder's calls: `<function=NAME>` then, per argument,
+    `<parameter=KEY>` VALUE `</parameter>` (one newline after the opening tag and one before
+    the closing tag are layout, not value), then `</function>`.
+
+    A value is written bare; the tool's JSON schema says what it is. A parameter that can
+    only be a string streams as it arrives, as the characters of a JSON string; any other
+    (a number, a boolean, an object, a parameter the schema does not type) needs its whole
+    value to be read, so it goes out once its closing tag arrives: as JSON when it reads as a
+    type the schema allows, else as a string where strings are allowed (vLLM's qwen3_xml
+    parser streams the same way). The arguments' JSON is written as `json.dumps` writes it.
+    """
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__()
+        self._properties = {
+            tool["function"]["name"]: parameters_schema(tool["function"]).get("properties", {})
+            for tool in tools or []
+        }
+        self._call: _XmlArguments | None = None
+
+    @classmethod
+    def for_request(cls, tools: list[dict[str, Any]]) -> Qwen3XmlToolCalls:
+        return cls(tools)
+
+    def stream(self, body: str, done: bool) -> list[ToolCall] | None:
+        pieces = []
+        if self._call is None:
+            head = _XML_HEAD.match(body)
+            if head is None:
+                return None
+            name = head.group(1).strip()
+            properties = self._properties.get(name)
+            self._call = _XmlArguments(head.end(), properties if isinstance(properties, dict)
+                                       else {})  # fmt: skip
+            pieces.append(_call(name, "", self._calls))
+        text = self._call.advance(body, done)
+        if text:
+            pieces.append(ToolCall(None, None, text, self._calls))
+        if done:
+            self._call = None
+        return pieces
+
     def parse(self, body: str) -> ToolCall | None:
-        function = _FUNCTION.fullmatch(body)
-        if function is None:
-            return None
-        arguments = {}
-        for key, raw in _PARAMETER.findall(function.group(2)):
-            value = raw.removeprefix("\n").removesuffix("\n")
-            # Values are written bare: numbers, booleans, lists and objects read as JSON,
-            # anything else is a string.
-            try:
-                arguments[key.strip()] = json.loads(value)
-            except json.JSONDecodeError:
-                arguments[key.strip()] = value
-        return _call(function.group(1).strip(), json.dumps(arguments, ensure_ascii=False))
+        """A call that arrived whole, read as it would have streamed."""
+        pieces = self.stream(body, done=True)
+        return None if pieces is None else whole_calls(pieces)[0]
+
+
+class _XmlArguments:
+    """One XML call's arguments as JSON text, from a growing body: `advance` returns what
+    more of it is settled."""
+
+    def __init__(self, start: int, properties: dict[str, Any]) -> None:
+        self.properties = properties
+        self.pos = start  # how far the body is read
+        self.state = _BETWEEN
+        self.opened = False  # "{" sent
+        self.count = 0  # parameters begun
+        self.key = ""
+        self.streams = False  # the current value streams as a JSON string
+        self.skipped_newline = False  # the current value's leading newline is read
+
+    def advance(self, body: str, done: bool) -> str:
+        out = [] if self.opened else ["{"]
+        self.opened = True
+        while self.state != _CLOSED:
+            if self.state == _BETWEEN:
+                if not self._next_tag(body, done, out):
+                    break
+            elif not self._value(body, done, out):
+                break
+        return "".join(out)
+
+    def _next_tag(self, body: str, done: bool, out: list[str]) -> bool:
+        """Past the next parameter's opening tag or the function's end (text between them is
+        not an argument); False while neither has arrived."""
+        at, tag = _first(body[self.pos :], (_PARAMETER_START, _FUNCTION_END))
+        name_end = body.find(">", self.pos + at + len(_PARAMETER_START)) if at >= 0 else -1
+        if tag is None or (tag == _PARAMETER_START and name_end < 0):
+            if done:  # the call ends without its closing tag
+                out.append("}")
+                self.state = _CLOSED
+            return False
+        if tag == _FUNCTION_END:
+            out.append("}")
+            self.state = _CLOSED
+            return True
+        self.key = body[self.pos + at + len(_PARAMETER_START) : name_end].strip()
+        self.streams = _admitted(self.properties.get(self.key)) == {"string"}
+        out.append(", " * (self.count > 0) + json.dumps(self.key, ensure_ascii=False) + ": ")
+        if self.streams:
+            out.append('"')
+        self.count += 1
+        self.pos, self.state, self.skipped_newline = name_end + 1, _VALUE, False
+        return True
+
+    def _value(self, body: str, done: bool, out: list[str]) -> bool:
+        """The current value, or of a streaming one what is settled; False while its closing
+        tag has not arrived."""
+        if not self.skipped_newline:
+            if self.pos == len(body) and not done:
+                return False
+            self.skipped_newline = True
+            if body.startswith("\n", self.pos):
+                self.pos += 1
+        end = body.find(_PARAMETER_END, self.pos)
+        if end < 0 and not done:
+            if self.streams:
+                # Held back: what may begin the closing tag, a function's end (a value whose
+                # closing tag never comes ends there), and a newline that may be the last
+                # (layout, not value).
+                ready = body.find(_FUNCTION_END, self.pos)
+                if ready < 0:
+                    ready = len(body) - _partial(body, (_PARAMETER_END, _FUNCTION_END))
+                if ready > self.pos and body[ready - 1] == "\n":
+                    ready -= 1
+                out.append(_json_string_piece(body[self.pos : ready]))
+                self.pos = max(self.pos, ready)
+            return False
+        if end < 0:  # cut short: the value is the rest, up to the function's end if written
+            function_end = body.rfind(_FUNCTION_END, self.pos)
+            end = len(body) if function_end < 0 else function_end
+        value = body[self.pos : end].removesuffix("\n")
+        if self.streams:
+            out.append(_json_string_piece(value) + '"')
+        else:
+            typed = _typed(value, _admitted(self.properties.get(self.key)))
+            out.append(json.dumps(typed, ensure_ascii=False))
+        self.pos, self.state = end + len(_PARAMETER_END), _BETWEEN
+        return True
+
+
+def _json_string_piece(text: str) -> str:
+    """`text` as it appears inside a JSON string (JSON escapes each character on its own, so
+    the pieces of a string escape to the pieces of its escape)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string",
+               list: "array", dict: "object", type(None): "null"}  # fmt: skip
+
+
+def _admitted(schema: Any) -> set[str] | None:
+    """The JSON types a parameter's schema allows (None: any, or not known without following
+    references)."""
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        return {_JSON_TYPES[type(schema["const"])]}
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return {_JSON_TYPES[type(value)] for value in schema["enum"]}
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list) and all(isinstance(k, str) for k in kind):
+        return set(kind)
+    for union in ("anyOf", "oneOf"):
+        if isinstance(schema.get(union), list):
+            members = [_admitted(member) for member in schema[union]]
+            return None if any(m is None for m in members) else set().union(*members)
+    return None
+
+
+# Python's spellings, which models trained on Python-rendered templates write.
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+
+
+def _typed(value: str, admitted: set[str] | None) -> Any:
+    """A bare value as the type its schema allows: its JSON (or a Python literal) where that
+    is of an allowed type, else the string where strings are allowed (or the schema does not
+    say), else what it reads as."""
+    try:
+        parsed = json.loads(value, parse_constant=_no_constant)
+    except ValueError:
+        parsed = value
+    if admitted is None:
+        return parsed
+    for candidate in (parsed, _PYTHON_LITERALS.get(value.strip(), value)):
+        kind = _JSON_TYPES[type(candidate)]
+        if kind in admitted or (kind == "integer" and "number" in admitted):
+            return candidate
+    return value if "string" in admitted else parsed
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN and Infinity would not write back as JSON
 
 
 # Kimi-K2's markers, each one special token. The section's singular spelling is a slip the
@@ -407,35 +587,61 @@ def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
     return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
 
 
+# The start of a call in tool_choice "required"'s array, up to its parameters' "{": after the
+# array's "[" or, past the previous call's object, a ",". The grammar writes "name" first.
+_REQUIRED_HEAD = re.compile(
+    r'\s*\}?\s*[\[,]\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*\{'
+)
+
+
 class ForcedToolCalls(ToolCallParser):
     """The answer to tool_choice "required" (a JSON array of `{"name", "parameters"}`) or a
-    named function (its arguments as JSON), which constrained decoding made the model write:
-    held back until the answer ends, then read as calls. Text that does not read as calls (an
-    answer cut short by max_tokens) stays content."""
+    named function (its arguments as JSON), which constrained decoding made the model write,
+    streamed as it arrives: a named function's call starts with the answer and its arguments
+    are the answer's text; each call in the array starts once its name is read, and its
+    arguments are its parameters' text. An answer cut short (max_tokens) ends its last call
+    where it stops; one in which no call started stays content."""
 
     def __init__(self, function: str | None) -> None:
         self.function = function
-        self._held = ""
+        self._held = ""  # the answer so far (an array's: from where it is not yet read)
+        self._calls = 0  # calls started
+        self._arguments: _ObjectEnd | None = None  # the current call's, in an array
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.function is not None:
+            return "", self._named(self.function, text)
         self._held += text
-        return "", []
+        calls = []
+        while True:
+            if self._arguments is None:
+                head = _REQUIRED_HEAD.match(self._held)
+                if head is None:
+                    break
+                self._arguments = _ObjectEnd(head.end() - 1)
+                calls.append(_call(json.loads(head.group(1)), "", self._calls))
+                self._calls += 1
+            arguments = self._arguments
+            reach = arguments.reach(self._held)
+            if reach > arguments.sent:
+                calls.append(ToolCall(None, None, self._held[arguments.sent : reach],
+                                      self._calls - 1))  # fmt: skip
+                arguments.sent = reach
+            if arguments.end is None:
+                break
+            self._held, self._arguments = self._held[arguments.end :], None
+        return "", calls
+
+    def _named(self, function: str, text: str) -> list[ToolCall]:
+        if not text:
+            return []
+        calls = [] if self._calls else [_call(function, "", 0)]
+        self._calls = 1
+        return [*calls, ToolCall(None, None, text, 0)]
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         held, self._held = self._held, ""
-        try:
-            parsed = json.loads(held)
-        except json.JSONDecodeError:
-            return held, []
-        if self.function is not None:
-            return "", [_call(self.function, json.dumps(parsed, ensure_ascii=False))]
-        if not isinstance(parsed, list) or not all(
-            isinstance(c, dict) and isinstance(c.get("name"), str) for c in parsed
-        ):
-            return held, []
-        calls = [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
-                 for c in parsed]  # fmt: skip
-        return "", calls
+        return ("", []) if self._calls else (held, [])
 
 
 def _call(name: str, arguments: str, index: int | None = None) -> ToolCall:
