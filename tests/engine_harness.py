@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
+from typing import ClassVar
 
 import pytest
 import torch
@@ -88,7 +90,7 @@ def check_prefix_hit_equals_cold(path: Path, prompt: list[int], expected: list[i
 
 
 def check_host_tier_hit_equals_cold(
-    path: Path, prompt: list[int], expected: list[int], arenas: set[str]
+    path: Path, prompt: list[int], expected: list[int], arenas: frozenset[str]
 ) -> None:
     """With the device prefix cache off, a repeated prompt's blocks come back from the host
     tier, which holds every one of the model's `arenas`, and it continues as cold."""
@@ -101,3 +103,45 @@ def check_host_tier_hit_equals_cold(
     assert drain(engine) == {"again": expected}
     block = engine.config.block_size
     assert engine.scheduler.counters.prefix_hits_host == (len(prompt) - 1) // block * block
+
+
+def reference_batch(
+    hf_reference: ModuleType, folder: Path, lengths: tuple[int, ...], new_tokens: int
+) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """A line's tiny checkpoint (its `hf_reference.write_hf_checkpoint`), random prompts of
+    `lengths`, and transformers' greedy continuations of them."""
+    path = hf_reference.write_hf_checkpoint(folder, seed=4)
+    hf = hf_reference.load_hf(path)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(0, hf_reference.VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return path, batch, [hf_greedy(hf, p, new_tokens) for p in batch]
+
+
+class EngineMatchesTransformers:
+    """Greedy continuations through the whole engine (scheduler, blocks, sampler) equal
+    transformers' `generate`: batched, chunked beside decodes, from the device prefix cache and
+    from the host tier. A line's test class sets `HOST_TIER_ARENAS` (what its host tier must
+    hold); its module provides the `reference` fixture (`reference_batch`)."""
+
+    HOST_TIER_ARENAS: ClassVar[frozenset[str]]
+
+    def test_greedy_batch_equals_transformers(self, reference):
+        path, batch, expected = reference
+        assert generate(make_engine(path), batch, greedy(len(expected[0]))) == expected
+
+    def test_chunked_prefill_beside_decodes(self, reference):
+        path, batch, expected = reference
+        engine = make_engine(path, max_num_batched_tokens=16, enable_chunked_prefill=True)
+        assert generate(engine, batch, greedy(len(expected[0]))) == expected
+
+    def test_prefix_cache_hit_equals_cold(self, reference):
+        """The second request reuses the first one's blocks of every arena (all but the last
+        token's)."""
+        path, batch, expected = reference
+        check_prefix_hit_equals_cold(path, batch[-1], expected[-1])
+
+    def test_blocks_restored_from_the_host_tier_equal_cold(self, reference):
+        """With the device prefix cache off, a repeated prompt's blocks of every arena come
+        back from host memory."""
+        path, batch, expected = reference
+        check_host_tier_hit_equals_cold(path, batch[-1], expected[-1], self.HOST_TIER_ARENAS)
