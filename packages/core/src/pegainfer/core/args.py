@@ -16,6 +16,9 @@ from pegainfer.core.kv.kv_events import KVEventsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+SPECULATIVE_METHODS = ("mtp", "self")
+#: The most draft tokens per request and step (--speculative-tokens).
+MAX_SPECULATIVE_TOKENS = 8
 
 
 def _arg(default: Any, help: str, flag: str | None = None) -> Any:
@@ -130,6 +133,20 @@ class EngineArgs:
         "--data-parallel-size each rank publishes on the endpoint's port + its rank. Needs "
         "pyzmq (pip install 'pegainfer-core[kv-events]').",
     )
+    speculative_tokens: int = _arg(
+        0,
+        "Speculative decoding: draft this many tokens per request and step, and verify them in "
+        "the next step (1 + k tokens per request; greedy output is unchanged, sampled output "
+        "keeps the model's distribution). Steps then run one after another (no async "
+        "scheduling).",
+    )
+    speculative_method: str = _arg(
+        "mtp",
+        "With --speculative-tokens: who drafts. mtp: the checkpoint's multi-token-prediction "
+        "layers (lines that have them); self: the model itself, one decode forward per draft "
+        "token, so (almost) every draft is accepted: the best case, for measuring a verify "
+        "step against accepted length, not for serving.",
+    )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
     load_format: str = _arg(
         "auto",
@@ -184,11 +201,34 @@ class EngineArgs:
                     "--kv-events-config reports the prefix cache's blocks: it needs prefix "
                     "caching (drop --no-prefix-cache)"
                 )
+        if self.speculative_tokens < 0 or self.speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.speculative_tokens}"
+            )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.speculative_method!r}"
+            )
+        if self.speculative_tokens:
+            self._check_speculative()
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
         return self
+
+    def _check_speculative(self) -> None:
+        """Refuse what speculative decoding does not combine with yet, naming the flags."""
+        refused = {
+            "--tensor-parallel-size > 1": self.tensor_parallel_size > 1,
+            "--data-parallel-size > 1": self.data_parallel_size > 1,
+            "--kv-offload": self.kv_offload,
+        }
+        for flag, given in refused.items():
+            if given:
+                raise ConfigError(f"--speculative-tokens does not work with {flag} yet")
 
     def explicit_fields(self) -> set[str]:
         """The arguments set to something other than their default."""

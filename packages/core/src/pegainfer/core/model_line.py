@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from pegainfer.core.engine.scheduler import Scheduler
     from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache, StateSpec
     from pegainfer.core.runner.forward_batch import ForwardBatch
+    from pegainfer.core.runner.model_runner import ModelRunner
+    from pegainfer.core.speculative.drafter import Drafter
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,11 @@ class Model(torch.nn.Module, ABC):
     def logits(self, states: tuple[torch.Tensor, ...], batch: ForwardBatch) -> torch.Tensor:
         """The logits of `batch.logits_indices`' rows from `hidden_states`' output."""
         raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
+
+    def build_drafter(self, num_tokens: int, runner: ModelRunner) -> Drafter | None:
+        """The checkpoint's own drafter (MTP layers) proposing `num_tokens` tokens per request
+        for speculative decoding (`speculative/drafter.py`), or None when it has none."""
+        return None
 
     def piecewise_cuts(self) -> list[PagedAttention | MultiHeadLatentAttention]:
         """The backends whose calls cut the forward into pieces (each has a `split` hook)."""

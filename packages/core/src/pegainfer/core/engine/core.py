@@ -26,7 +26,7 @@ from pegainfer.core.engine.messages import (
     RequestOutput,
     RequestTiming,
 )
-from pegainfer.core.engine.request import Request
+from pegainfer.core.engine.request import Request, RequestStatus
 from pegainfer.core.engine.scheduler import (
     ScheduledChunk,
     Scheduler,
@@ -54,6 +54,9 @@ from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunne
 from pegainfer.core.runner.piecewise_graphs import token_buckets
 from pegainfer.core.sampling.sampler import ScoredTokens, sample_requests
 from pegainfer.core.sampling.structured_output import Grammars
+from pegainfer.core.speculative.drafter import Drafter, DraftInputs
+from pegainfer.core.speculative.self_drafter import SelfDrafter
+from pegainfer.core.speculative.verify import SpeculativeDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +232,10 @@ class EngineCore:
                 f"max_model_len {max_model_len} exceeds the model's maximum of "
                 f"{self.model.max_position_embeddings} positions"
             )
+        # Speculative decoding's drafters write up to k positions past a sequence's newest
+        # token (scratch the verify step rewrites): the per-step machinery (block tables, RoPE
+        # tables) covers them.
+        lookahead = args.speculative_tokens
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < max_model_len:
             raise ConfigError(
                 f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens})"
@@ -243,7 +250,7 @@ class EngineCore:
                         and self.model.supports_piecewise_graphs)  # fmt: skip
         runtime = RuntimeConfig(
             block_size=args.block_size,
-            max_model_len=max_model_len,
+            max_model_len=max_model_len + lookahead,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             graph_buckets=buckets,
@@ -267,11 +274,12 @@ class EngineCore:
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
             args, specs, device, max_model_len, num_slots, mixed_graphs
         )
-        if num_blocks * args.block_size < max_model_len:
+        if num_blocks * args.block_size < max_model_len + lookahead:
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than "
-                f"one sequence of max_model_len {max_model_len} needs; lower max_model_len or "
-                "give the cache more memory"
+                f"one sequence of max_model_len {max_model_len} needs"
+                + (f" (and --speculative-tokens {lookahead} more)" if lookahead else "")
+                + "; lower max_model_len or give the cache more memory"
             )
         # On CUDA (and with data-parallel attention) one more block than the block manager
         # hands out: padding rows of graph replays (and idle ranks' dummy tokens) read and
@@ -327,6 +335,7 @@ class EngineCore:
             max_model_len=max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             num_state_checkpoints=checkpoints,
+            num_speculative_tokens=args.speculative_tokens,
         )
         events = KVEventsConfig.parse(args.kv_events_config or "{}")
         if events.publishes and not prefix_caching:
@@ -359,11 +368,37 @@ class EngineCore:
         self.generator = torch.Generator(device).manual_seed(args.seed)
         self.requests: dict[str, Request] = {}
         self.async_scheduling = args.async_scheduling
+        self.speculative: SpeculativeDecoding | None = None
+        if args.speculative_tokens:
+            drafter = self._drafter(args, line, bool(states))
+            self.speculative = SpeculativeDecoding(drafter, self.model.vocab_size, self.generator)
+            if self.async_scheduling:
+                logger.info("speculative decoding runs its steps one after another (no async "
+                            "scheduling yet)")  # fmt: skip
+            self.async_scheduling = False
         self._in_flight: _Launched | None = None
         self._step_tokens: list[int] = []  # per launched step, until the next stats()
         load_tokenizer = partial(line.load_tokenizer, tokenizer_dir)
         self.grammars = Grammars(load_tokenizer, self.config.vocab_size)
         self._startup.mark("engine ready")
+
+    def _drafter(self, args: EngineArgs, line: ModelLine, recurrent: bool) -> Drafter:
+        """The drafter `--speculative-method` names, or why this line cannot speculate."""
+        k = args.speculative_tokens
+        if recurrent:
+            raise ConfigError(
+                f"--speculative-tokens does not work with the {line.name!r} line yet: its "
+                "recurrent state is not rolled back to the last accepted token"
+            )
+        if args.speculative_method == "self":
+            return SelfDrafter(self.runner, k, self.model.vocab_size, self.generator)
+        drafter = self.model.build_drafter(k, self.runner)
+        if drafter is None:
+            raise ConfigError(
+                f"the {line.name!r} line has no MTP drafter (--speculative-method mtp); "
+                "--speculative-method self drafts with the model itself (for measurements)"
+            )
+        return drafter
 
     @staticmethod
     def _host_tier(
@@ -455,6 +490,10 @@ class EngineCore:
     def check_request(self, msg: EngineRequest) -> int:
         """Validate a request against the model; return its resolved max_tokens."""
         max_tokens = RequestLimits(self.config.vocab_size, self.config.max_model_len).check(msg)
+        if msg.params.structured is not None and self.speculative is not None:
+            raise InvalidRequestError(
+                "structured output does not work with --speculative-tokens yet", "response_format"
+            )
         if msg.params.structured is not None:  # compiles against the tokenizer, or says why not
             self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
         return max_tokens
@@ -506,6 +545,12 @@ class EngineCore:
             self._landing.update(dict.fromkeys((block for _, block in blocks), request))
         if self.offload is not None:
             self._await_restores(step)
+        if self.speculative is not None:
+            if step.chunks:
+                self._step_tokens.append(step.num_tokens)
+            outputs = self._speculative_step(step) if step.chunks else []
+            self._publish_kv_events()
+            return outputs
         launched = self._launch(step) if step.chunks else None
         if launched is not None:
             self._step_tokens.append(sum(chunk.num_tokens for chunk in step.chunks))
@@ -579,6 +624,59 @@ class EngineCore:
         rows = {id(r): row for row, r in enumerate(samplers)}
         return _Launched(step, tokens, rows, logprobs, prompt_logprobs)
 
+    def _speculative_step(self, step: SchedulerStep) -> list[RequestOutput]:
+        """A step with speculative decoding, start to end: the forward (each decoding request
+        feeds its last token and drafts), verification, the commit of each request's accepted
+        run, then the drafts for the next step of every request that sampled and runs on."""
+        batch = self.runner.batch(self._plan(step.chunks))
+        logits = self.runner.forward(batch)
+        prompt_logprobs = self._score_prompts(step, batch, logits)
+        if batch.sample_rows is not None:
+            logits = logits[batch.sample_rows]
+        samplers = [chunk for chunk in step.chunks if chunk.samples]
+        verified, scores = self.speculative.verify(logits, samplers)
+        self.scheduler.advance(step)
+        runs = verified.runs()  # the step's one wait for the device
+        self.speculative.record(samplers, runs)
+        self._store_prompt_logprobs(prompt_logprobs)
+        logprobs = {}
+        for i, scored in scores:
+            width = samplers[i].num_drafts + 1
+            logprobs[i] = scored.to_host(verified.tokens[i, :width].tolist())
+        index = {id(chunk.request): i for i, chunk in enumerate(samplers)}
+        outputs: list[RequestOutput] = []
+        for request, taken in self.scheduler.commit_verified(step, runs):
+            i = index[id(request)]
+            output = self._output(request, runs[i][:taken])
+            if i in logprobs:
+                output.logprobs = logprobs[i][:taken]
+            self._deliver(request, output, outputs)
+        live = [c.request for c in samplers if c.request.status is RequestStatus.RUNNING]
+        if live:
+            self.speculative.drafter.propose(DraftInputs.of(live)).assign(live)
+        return outputs
+
+    def _store_prompt_logprobs(
+        self, scored: list[tuple[Request, int, list[int], ScoredTokens]]
+    ) -> None:
+        for request, position, targets, scores in scored:
+            if request.prompt_logprobs is not None:  # not yet sent
+                for i, entry in enumerate(scores.to_host(targets)):
+                    request.prompt_logprobs[position + i] = entry
+
+    def _deliver(
+        self, request: Request, output: RequestOutput, outputs: list[RequestOutput]
+    ) -> None:
+        """Add a request's output of this step (with its prompt's logprobs, the first time);
+        forget the request once it finished."""
+        if request.prompt_logprobs is not None:  # its first token: the prompt is scored
+            output.prompt_logprobs = [request.prompt_logprobs[p]
+                                      for p in sorted(request.prompt_logprobs)]  # fmt: skip
+            request.prompt_logprobs = None
+        outputs.append(output)
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+
     @staticmethod
     def _score_prompts(
         step: SchedulerStep, batch: ForwardBatch | LogitsRows, logits: torch.Tensor
@@ -607,23 +705,14 @@ class EngineCore:
         if launched.logprobs is not None:
             rows, scores = launched.logprobs
             logprobs = dict(zip(rows, scores.to_host([token_ids[r] for r in rows]), strict=True))
-        for request, position, targets, scores in launched.prompt_logprobs:
-            if request.prompt_logprobs is not None:  # not yet sent
-                for i, entry in enumerate(scores.to_host(targets)):
-                    request.prompt_logprobs[position + i] = entry
-        outputs = []
+        self._store_prompt_logprobs(launched.prompt_logprobs)
+        outputs: list[RequestOutput] = []
         for request in self.scheduler.commit(launched.step, token_ids):
             row = launched.rows[id(request)]
             output = self._output(request, [token_ids[row]])
             if row in logprobs:
                 output.logprobs = [logprobs[row]]
-            if request.prompt_logprobs is not None:  # its first token: the prompt is scored
-                output.prompt_logprobs = [request.prompt_logprobs[p]
-                                          for p in sorted(request.prompt_logprobs)]  # fmt: skip
-                request.prompt_logprobs = None
-            outputs.append(output)
-            if request.finished:
-                self.requests.pop(request.request_id, None)
+            self._deliver(request, output, outputs)
         if self.offload is not None:
             # After this step's forward on the GPU; before the next step reuses the blocks.
             self.offload.store(self.scheduler.take_pending_stores(), self.kv_cache)
@@ -650,8 +739,10 @@ class EngineCore:
     def _plan(step_chunks: list[ScheduledChunk]) -> StepPlan:
         chunks, starts = [], []
         for chunk in step_chunks:
-            start = chunk.request.num_computed_tokens
-            chunks.append(chunk.request.token_ids[start : start + chunk.num_tokens])
+            request, drafts = chunk.request, chunk.num_drafts
+            start = request.num_computed_tokens
+            end = start + chunk.num_tokens - drafts
+            chunks.append(request.token_ids[start:end] + request.draft_token_ids[:drafts])
             starts.append(start)
         return StepPlan(
             token_chunks=chunks,
@@ -666,6 +757,9 @@ class EngineCore:
             state_slots=[c.request.slot for c in step_chunks],
             state_restore=[c.restore_from for c in step_chunks],
             state_snapshot=[c.snapshot and c.snapshot[:2] for c in step_chunks],
+            num_drafts=[c.num_drafts for c in step_chunks]
+            if any(c.num_drafts for c in step_chunks)
+            else [],
         )
 
     def stats(self) -> EngineStats:
@@ -681,6 +775,7 @@ class EngineCore:
             prefix_cache_hits_host=counters.prefix_hits_host,
             num_preemptions=counters.preemptions,
             step_tokens=step_tokens,
+            spec_decode=None if self.speculative is None else self.speculative.snapshot(),
         )
 
     @staticmethod

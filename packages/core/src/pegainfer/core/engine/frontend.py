@@ -143,13 +143,18 @@ class RequestStream:
         if self.finished:
             return StreamDelta("", [], finished=True)
         self.num_cached_tokens = output.num_cached_tokens
-        self.token_ids.extend(output.new_token_ids)
-        text_ids = output.new_token_ids
+        new_ids, logprobs = output.new_token_ids, output.logprobs or []
+        text_ids = new_ids
         if output.stop_token_id is not None:  # as vLLM: the stop token counts, its text does not
             text_ids = text_ids[:-1]
         decoded = self._detokenizer.push(text_ids)
+        if decoded.finished:
+            # Tokens after the one that completed a stop string (several come at once with
+            # speculative decoding) were never part of the output.
+            new_ids, logprobs = new_ids[: decoded.num_tokens], logprobs[: decoded.num_tokens]
+        self.token_ids.extend(new_ids)
         text = decoded.text
-        delta = StreamDelta(text, list(output.new_token_ids), logprobs=output.logprobs or [],
+        delta = StreamDelta(text, list(new_ids), logprobs=logprobs,
                             prompt_logprobs=output.prompt_logprobs)  # fmt: skip
         self.logprobs.extend(delta.logprobs)
         if output.prompt_logprobs is not None:

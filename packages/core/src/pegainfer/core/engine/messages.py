@@ -91,6 +91,17 @@ class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
+class SpecDecodeStats(msgspec.Struct):
+    """Speculative decoding's cumulative counts: verify steps of a request with drafts, drafts
+    fed, drafts accepted, and per draft position how often it was accepted (vLLM's
+    `spec_decode_*` counters)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+
+
 class EngineStats(msgspec.Struct):
     """The engine's state after a step, for metrics. Counters are cumulative."""
 
@@ -103,6 +114,7 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits_host: int = 0  # of prefix_cache_hits, restored from the host tier
     # Tokens (prompt and output) of each step launched since the previous stats.
     step_tokens: list[int] = msgspec.field(default_factory=list)
+    spec_decode: SpecDecodeStats | None = None  # with --speculative-tokens
 
 
 class EngineOutputs(msgspec.Struct):

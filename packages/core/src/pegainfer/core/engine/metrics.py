@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pegainfer.core.engine.messages import EngineStats, RequestTiming
+from pegainfer.core.engine.messages import EngineStats, RequestTiming, SpecDecodeStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -117,6 +117,20 @@ class Metrics:
             "vllm:request_params_max_tokens", "max_tokens of each finished request.", tokens
         )
         self._n = histogram("vllm:request_params_n", "n of each request.", _N_BUCKETS)
+        self._spec_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Verify steps of a request with drafts."
+        )
+        self._spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self._spec_accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._spec_accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft).",
+            ("position",),
+        )
         self._step_tokens = histogram(
             "vllm:iteration_tokens_total", "Tokens per engine step.", _STEP_TOKEN_BUCKETS
         )
@@ -144,7 +158,18 @@ class Metrics:
         step_tokens = self._step_tokens.labels(m)
         for tokens in stats.step_tokens:
             step_tokens.observe(tokens)
+        if stats.spec_decode is not None:
+            self._record_spec_decode(stats.spec_decode, last.spec_decode or SpecDecodeStats())
         self._last = stats
+
+    def _record_spec_decode(self, now: SpecDecodeStats, last: SpecDecodeStats) -> None:
+        m = self._model
+        self._spec_drafts.labels(m).inc(now.num_drafts - last.num_drafts)
+        self._spec_draft_tokens.labels(m).inc(now.num_draft_tokens - last.num_draft_tokens)
+        self._spec_accepted.labels(m).inc(now.num_accepted_tokens - last.num_accepted_tokens)
+        before = last.accepted_per_pos or [0] * len(now.accepted_per_pos)
+        for position, (count, was) in enumerate(zip(now.accepted_per_pos, before, strict=True)):
+            self._spec_accepted_per_pos.labels(m, str(position)).inc(count - was)
 
     def record_tokens(self, num_tokens: int, *, first: bool, latency: float) -> None:
         """New output tokens; `latency` is since arrival (first) or the previous tokens."""

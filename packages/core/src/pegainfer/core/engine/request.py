@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,6 +58,11 @@ class Request:
         self.error: str | None = None  # why it ended, when finish_reason is "error"
         self.stop_token_id: int | None = None
         self.grammar: Any = None  # its llguidance matcher, with structured output
+        # Speculative decoding: tokens drafted after its last token, verified by its next step,
+        # and the drafter's distribution over each ([k, V] on the device; None: drawn
+        # deterministically, e.g. greedily).
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         # Prompt logprobs by position (1..), until they go out with the first token.
         self.prompt_logprobs: dict[int, Any] | None = (
             {} if msg.params.prompt_logprobs is not None else None
@@ -93,14 +99,16 @@ class Request:
             or any(len(word) > 1 for word in self.params.bad_words_token_ids)
         )
 
-    def banned_token_ids(self) -> frozenset[int]:
+    def banned_token_ids(self, continuation: Sequence[int] = ()) -> frozenset[int]:
         """Tokens the sampler must not pick next: stops until `min_tokens`, and each bad
-        word's last token where the output ends with the rest of the word."""
-        banned = self.stop_token_ids if self.num_output_tokens < self.params.min_tokens else None
+        word's last token where the output ends with the rest of the word. `continuation`:
+        tokens taken to follow the output (drafts before the row being sampled)."""
+        num_output = self.num_output_tokens + len(continuation)
+        banned = self.stop_token_ids if num_output < self.params.min_tokens else None
         words = self.params.bad_words_token_ids
         if not words:
             return banned or frozenset()
-        output = self.token_ids[self.num_prompt_tokens :]
+        output = [*self.token_ids[self.num_prompt_tokens :], *continuation]
         ends = {
             word[-1]
             for word in words
@@ -135,6 +143,22 @@ class Request:
             self.finish_reason = "stop"  # the grammar allows nothing more
         elif outputs >= self.max_tokens or index + 1 >= max_model_len:
             self.finish_reason = "length"
+
+    def commit_tokens(self, token_ids: Sequence[int], max_model_len: int) -> int:
+        """A verify step's accepted tokens (speculative decoding) arrived for its pending
+        token: commit them in order until one ends the request; return how many were taken
+        (those after the end are dropped, as if never sampled)."""
+        for taken, token_id in enumerate(token_ids, 1):
+            if taken > 1:
+                self.reserve_token()
+            self.commit_token(token_id, max_model_len)
+            if self.finish_reason is not None:
+                return taken
+        return len(token_ids)
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
 
     def at_limit(self, max_model_len: int) -> bool:
         """Whether the tokens sampled so far (pending ones too) already end the request by

@@ -29,15 +29,22 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     #: Checkpoints of recurrent state kept for prefix-cache hits (models with state slots).
     num_state_checkpoints: int = 0
+    #: Speculative decoding's k: a decoding request feeds its drafts (up to k) after its last
+    #: token, and a sampling chunk's blocks leave room for k positions more, where the
+    #: drafter writes while proposing the next step's drafts.
+    num_speculative_tokens: int = 0
 
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` of `request` computed this step; `samples` when they reach its last token."""
+    """`num_tokens` of `request` computed this step; `samples` when they reach its last token.
+    Speculative decoding: the last `num_drafts` of them are its drafts, each sampling row
+    verified (the chunk samples 1 + num_drafts rows)."""
 
     request: Request
     num_tokens: int
     samples: bool
+    num_drafts: int = 0
     #: Recurrent models: the checkpoint slot the sequence's state starts from (a prefix hit).
     restore_from: int | None = None
     #: Recurrent models: (tokens into this chunk, checkpoint slot, block hash) where the state
@@ -152,14 +159,16 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while not self._allocate(request, num_new):
+            num_drafts = self._num_drafts(request, num_new, budget)
+            num_new += num_drafts
+            while not self._allocate(request, num_new, self._lookahead(request, num_new)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 step.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                step.chunks.append(self._chunk(request, num_new))
+                step.chunks.append(self._chunk(request, num_new, num_drafts))
                 budget -= num_new
                 i += 1
 
@@ -178,7 +187,8 @@ class Scheduler:
             request.num_sealed_blocks = len(request.block_ids)
             request.num_computed_tokens = len(request.block_ids) * self.block_size
             num_new = self._chunk_size(request, budget)
-            if num_new == 0 or not self._allocate(request, num_new):
+            lookahead = self._lookahead(request, num_new)
+            if num_new == 0 or not self._allocate(request, num_new, lookahead):
                 self.blocks.release(request.block_ids)
                 if hit.state_load is not None:
                     self.checkpoints.cancel(*hit.state_load)
@@ -218,6 +228,27 @@ class Scheduler:
         self.advance(step)
         return self.commit(step, sampled)
 
+    def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of its drafts a request feeds after its last token: those the budget
+        holds, and no more than could be kept (max_tokens, the context)."""
+        if (
+            not request.draft_token_ids
+            or request.num_computed_tokens + num_new != request.num_tokens
+        ):
+            return 0
+        room = min(
+            request.max_tokens - request.num_output_tokens,
+            self.config.max_model_len - request.num_tokens + 1,
+        )
+        return max(0, min(len(request.draft_token_ids), budget - num_new, room - 1))
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Positions past the chunk its blocks must hold: a sampling chunk's drafter writes k
+        (speculative decoding)."""
+        k = self.config.num_speculative_tokens
+        samples = request.num_computed_tokens + num_new >= request.num_tokens
+        return k if k and samples else 0
+
     def advance(self, step: SchedulerStep) -> None:
         """The step was launched: its tokens count as computed and each sampling request has a
         pending token, so the next step can be scheduled before the ids reach the host."""
@@ -241,16 +272,28 @@ class Scheduler:
         sampled = list(sampled)
         if any(chunk.request.grammar is not None for chunk in step.chunks):
             self._advance_grammars(step, sampled)
-        tokens = iter(sampled)
-        touched: list[Request] = []
+        return [request for request, _ in self._commit_runs(step, [[t] for t in sampled])]
+
+    def commit_verified(
+        self, step: SchedulerStep, runs: list[list[int]]
+    ) -> list[tuple[Request, int]]:
+        """A speculative step's tokens arrived: per sampling chunk, its accepted drafts and the
+        token after them. The rejected drafts' KV is dropped (their positions are computed
+        again), the tokens committed until one ends the request; returns the requests that got
+        tokens, with how many they kept."""
+        return self._commit_runs(step, runs)
+
+    def _commit_runs(self, step: SchedulerStep, runs: list[list[int]]) -> list[tuple[Request, int]]:
+        tokens = iter(runs)
+        touched: list[tuple[Request, int]] = []
         for chunk in step.chunks:
             request = chunk.request
-            token = next(tokens) if chunk.samples else None
+            run = next(tokens) if chunk.samples else None
             if request.status is RequestStatus.FINISHED:
                 continue
-            if token is not None:
-                request.commit_token(token, self.config.max_model_len)
-                touched.append(request)
+            if run is not None:
+                request.num_computed_tokens -= chunk.num_drafts - (len(run) - 1)
+                touched.append((request, request.commit_tokens(run, self.config.max_model_len)))
             if request.status is RequestStatus.RUNNING:
                 self._seal_full_blocks(request)
             if request.finish_reason is not None:
@@ -274,9 +317,10 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, num_drafts: int = 0) -> ScheduledChunk:
         start = request.num_computed_tokens
-        chunk = ScheduledChunk(request, num_new, start + num_new == request.num_tokens)
+        samples = start + num_new - num_drafts == request.num_tokens
+        chunk = ScheduledChunk(request, num_new, samples, num_drafts)
         chunk.restore_from, request.state_source = request.state_source, None
         if self.checkpoints is not None:
             # Checkpoint the state where the last full block before the final token ends: the
@@ -377,8 +421,8 @@ class Scheduler:
         stores, self.pending_stores = self.pending_stores, []
         return stores
 
-    def _allocate(self, request: Request, num_new: int) -> bool:
-        total = request.num_computed_tokens + num_new
+    def _allocate(self, request: Request, num_new: int, lookahead: int = 0) -> bool:
+        total = request.num_computed_tokens + num_new + lookahead
         needed = -(-total // self.block_size) - len(request.block_ids)
         if needed <= 0:
             return True
@@ -438,6 +482,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _reset(self, request: Request) -> None:
+        request.clear_drafts()
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_sealed_blocks = 0

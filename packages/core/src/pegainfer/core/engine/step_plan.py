@@ -20,7 +20,9 @@ class StepPlan:
     blocks `block_tables[i]`; `sample_mask[i]`: its last row samples; `every_row[i]`: every
     row of its chunk wants logits (prompt logprobs). Recurrent models: each sequence's state
     slot, the checkpoint slot it restarts from, and where to checkpoint it (tokens into the
-    chunk, checkpoint slot). `data_parallel`: every attention rank's share of the step."""
+    chunk, checkpoint slot). `data_parallel`: every attention rank's share of the step.
+    `num_drafts[i]` (speculative decoding): how many of chunk i's last tokens are drafts to
+    verify (empty: none anywhere)."""
 
     token_chunks: list[list[int]]
     start_positions: list[int]
@@ -31,6 +33,7 @@ class StepPlan:
     state_restore: list[int | None] = field(default_factory=list)
     state_snapshot: list[tuple[int, int] | None] = field(default_factory=list)
     data_parallel: DataParallelCounts | None = None
+    num_drafts: list[int] = field(default_factory=list)
 
     @classmethod
     def idle(cls, dummy_block: int) -> StepPlan:
@@ -45,7 +48,8 @@ class StepPlan:
     @property
     def num_logits_rows(self) -> int:
         lengths = [len(chunk) for chunk in self.token_chunks]
-        return len(logits_rows(lengths, self.sample_mask, self.every_row)[0])
+        drafts = self.num_drafts or None
+        return len(logits_rows(lengths, self.sample_mask, self.every_row, drafts)[0])
 
     def with_counts(self, counts: DataParallelCounts) -> StepPlan:
         return replace(self, data_parallel=counts)
@@ -55,5 +59,5 @@ class StepPlan:
             self.token_chunks, self.start_positions, self.block_tables, self.sample_mask,
             block_size, device, state_slots=self.state_slots, state_restore=self.state_restore,
             state_snapshot=self.state_snapshot, every_row=self.every_row,
-            data_parallel=self.data_parallel,
+            data_parallel=self.data_parallel, num_drafts=self.num_drafts or None,
         )  # fmt: skip

@@ -162,17 +162,22 @@ class ForwardBatch:
         state_snapshot: list[tuple[int, int] | None] | None = None,
         every_row: list[bool] | None = None,
         data_parallel: DataParallelCounts | None = None,
+        num_drafts: list[int] | None = None,
     ) -> ForwardBatch:
         """Flatten one step: sequence i feeds `token_chunks[i]` starting at `start_positions[i]`.
 
         `sample_mask[i]` says whether sequence i wants logits for its last row (a prefill chunk
         that does not reach the end of the prompt does not); `every_row[i]`, whether it wants
         them for every row of its chunk (prompt logprobs). `data_parallel`: every attention
-        rank's share of the step (data-parallel attention).
+        rank's share of the step (data-parallel attention). `num_drafts[i]` (speculative
+        decoding): the last tokens of chunk i that are drafts; its last 1 + num_drafts rows
+        sample.
         """
         lengths = [len(chunk) for chunk in token_chunks]
         every = every_row or [False] * len(token_chunks)
-        logits_indices, sample_rows, chunk_logits = logits_rows(lengths, sample_mask, every)
+        logits_indices, sample_rows, chunk_logits = logits_rows(
+            lengths, sample_mask, every, num_drafts
+        )
         state_slots = [] if state_slots is None else list(state_slots)
         seq_lens = [start + n for start, n in zip(start_positions, lengths, strict=True)]
         positions, slots = token_slots(start_positions, lengths, block_tables, block_size)
@@ -214,25 +219,30 @@ class ForwardBatch:
 
 
 def logits_rows(
-    lengths: list[int], sample_mask: list[bool], every_row: list[bool]
+    lengths: list[int],
+    sample_mask: list[bool],
+    every_row: list[bool],
+    num_drafts: list[int] | None = None,
 ) -> tuple[list[int], list[int], list[int | None]]:
     """For chunks of `lengths` tokens, flattened: the token rows whose logits are wanted (every
-    row of an `every_row` chunk, else the last row of a sampling chunk); which of those logits
-    rows sample (empty when no chunk wants every row: then all of them do); and each chunk's
-    first logits row when it wants every row (None otherwise)."""
+    row of an `every_row` chunk, else the last 1 + `num_drafts` rows of a sampling chunk);
+    which of those logits rows sample (empty when no chunk wants every row: then all of them
+    do); and each chunk's first logits row when it wants every row (None otherwise)."""
     wanted: list[int] = []
     sampling: list[int] = []
     first_rows: list[int | None] = []
     end = 0
-    for length, sample, all_rows in zip(lengths, sample_mask, every_row, strict=True):
+    drafts = num_drafts or [0] * len(lengths)
+    for length, sample, all_rows, n in zip(lengths, sample_mask, every_row, drafts, strict=True):
         end += length
         first_rows.append(len(wanted) if all_rows else None)
         if all_rows:
+            assert not n, "a chunk that scores its prompt has no drafts"
             wanted.extend(range(end - length, end))
         elif sample:
-            wanted.append(end - 1)
+            wanted.extend(range(end - 1 - n, end))
         if sample:
-            sampling.append(len(wanted) - 1)
+            sampling.extend(range(len(wanted) - 1 - n, len(wanted)))
     return wanted, sampling if any(every_row) else [], first_rows
 
 

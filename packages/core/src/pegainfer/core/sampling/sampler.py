@@ -75,8 +75,12 @@ class SamplingBatch:
         vocab_size: int,
         default_generator: torch.Generator,
         device: torch.device,
+        continuations: Sequence[Sequence[int]] | None = None,
     ) -> SamplingBatch:
+        """Rows for `requests` (one may fill several rows); `continuations[i]`: tokens taken
+        to follow row i's request's output (speculative decoding's drafts before the row)."""
         params = [r.params for r in requests]
+        after = continuations or [()] * len(requests)
         return cls(
             temperature=torch.tensor(
                 [0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32
@@ -87,10 +91,13 @@ class SamplingBatch:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             generators=[r.generator or default_generator for r in requests],
-            banned=[r.banned_token_ids() for r in requests],
+            banned=[r.banned_token_ids(c) for r, c in zip(requests, after, strict=True)],
             biases=[p.logit_bias for p in params],
             allowed=[p.allowed_token_ids for p in params],
-            penalties=[_penalties(r) if r.params.has_penalties else None for r in requests],
+            penalties=[
+                _penalties(r, c) if r.params.has_penalties else None
+                for r, c in zip(requests, after, strict=True)
+            ],
         ).to(device)
 
     def to(self, device: torch.device) -> SamplingBatch:
@@ -122,8 +129,9 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(probs).scatter_(-1, order, probs)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Pick one token per row of `logits` [B, V]; returns int64 [B]."""
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """`logits` [B, V] in float32 after each row's logit bias, penalties, banned and allowed
+    tokens (a copy when any applies: the caller's logits stay as they were)."""
     logits = logits.float()
     restricted = any(a is not None for a in batch.allowed)
     if any(batch.biases) or any(batch.banned) or any(batch.penalties) or restricted:
@@ -145,15 +153,44 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             kept = logits[row, ids]
             logits[row] = -torch.inf
             logits[row, ids] = kept
+    return logits
+
+
+def exponential_noise(
+    shape: tuple[int, int], generators: Sequence[torch.Generator], device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise [B, V], row i drawn from `generators[i]` (rows of one generator in turn)."""
+    noise = torch.empty(shape, device=device)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    return noise
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax of p / q per row, a draw from the renormalised `probs`."""
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Pick one token per row of `logits` [B, V]; returns int64 [B]."""
+    logits = adjust_logits(logits, batch)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
     probs = filtered_probs(logits, batch)
-    noise = torch.empty_like(probs)
-    for row, generator in enumerate(batch.generators):
-        noise[row].exponential_(generator=generator)
-    sampled = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    sampled = race(probs, exponential_noise(probs.shape, batch.generators, probs.device))
     return torch.where(batch.temperature > 0, sampled, greedy)
+
+
+def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row's token is drawn from, normalised (`sample` draws from it):
+    after the adjustments and filters, and one-hot at the argmax for greedy rows."""
+    logits = adjust_logits(logits, batch)
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if batch.all_greedy:
+        return one_hot
+    probs = filtered_probs(logits, batch)
+    return torch.where(batch.temperature[:, None] > 0, probs, one_hot)
 
 
 def sample_requests(
@@ -173,21 +210,28 @@ def sample_requests(
     if constrained:
         rows, matchers = zip(*constrained, strict=True)
         logits = mask_logits(logits, list(rows), list(matchers))
-    if all(r.params.greedy and not r.banned_token_ids() and not r.params.logit_bias
-           and not r.params.has_penalties and r.params.allowed_token_ids is None
-           for r in requests):  # fmt: skip
+    if all(plain_greedy(r) for r in requests):
         return logits.argmax(dim=-1)
     batch = SamplingBatch.from_requests(requests, vocab_size, default_generator, logits.device)
     return sample(logits, batch)
 
 
-def _penalties(request: Request) -> Penalties:
+def plain_greedy(request: Request, continuation: Sequence[int] = ()) -> bool:
+    """Whether the request's next token (after `continuation`) is the logits' argmax: greedy,
+    with nothing that adjusts its logits."""
+    p = request.params
+    return (p.greedy and not request.banned_token_ids(continuation) and not p.logit_bias
+            and not p.has_penalties and p.allowed_token_ids is None)  # fmt: skip
+
+
+def _penalties(request: Request, continuation: Sequence[int] = ()) -> Penalties:
     """A request's penalties over its tokens so far (all known: the engine brings pending
-    tokens home before scheduling a request with penalties)."""
+    tokens home before scheduling a request with penalties), then `continuation`."""
     p, split = request.params, request.num_prompt_tokens
     assert not request.num_pending, "penalties need every sampled token on the host"
+    output = [*request.token_ids[split:], *continuation]
     return Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-                     request.token_ids[:split], request.token_ids[split:])  # fmt: skip
+                     request.token_ids[:split], output)  # fmt: skip
 
 
 @dataclass

@@ -25,10 +25,12 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 class DetokenizedDelta(msgspec.Struct, frozen=True):
-    """Text that became safe to emit, and whether a stop string ended the output."""
+    """Text that became safe to emit, whether a stop string ended the output, and how many of
+    the pushed tokens were read (after the one that completed a stop string, none are)."""
 
     text: str
     finished: bool = False
+    num_tokens: int = 0
 
 
 class IncrementalDetokenizer:
@@ -88,13 +90,15 @@ class IncrementalDetokenizer:
 
         After a stop string matched, further tokens are ignored and `finished` stays True.
         """
+        read = 0
         for token_id in new_token_ids:
             if self.finished:
                 break
             self._ids.append(token_id)
             self._num_generated += 1
+            read += 1
             self._append_text(self._decode_step(final=False))
-        return DetokenizedDelta(self._release(), self.finished)
+        return DetokenizedDelta(self._release(), self.finished, read)
 
     def flush(self) -> str:
         """At the end of generation, return the text still held back.

@@ -1,0 +1,256 @@
+"""Speculative decoding on a tiny Qwen3 checkpoint: greedy output with drafts verified equals
+greedy output without, token for token, through batches, chunked prefill, prefix hits,
+preemption, stops and length limits inside an accepted run, logprobs and penalties. Drafts
+come from the model itself (all accepted) and from a drafter that spoils some (variable
+accepted counts, every rejection position)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pegainfer import LLM, SamplingParams
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.engine.metrics import Metrics
+from pegainfer.core.errors import ConfigError, InvalidRequestError
+from pegainfer.core.sampling.structured_output import StructuredOutput
+from pegainfer.core.speculative.drafter import Drafter, DraftInputs, Drafts
+from pegainfer.models.qwen3.line import Qwen3Line
+from tests import engine_harness
+from tests.engine_harness import DEFAULTS, check_prefix_hit_equals_cold, generate, greedy
+from tests.qwen3.hf_reference import VOCAB
+
+
+class SpoilingDrafter(Drafter):
+    """The model's own drafts with some replaced by another token: a draft is spoiled where
+    its position plus its index is 1 mod 3, so rejections fall on every draft index."""
+
+    def __init__(self, inner: Drafter) -> None:
+        super().__init__(inner.num_tokens)
+        self.inner = inner
+
+    def propose(self, inputs: DraftInputs) -> Drafts:
+        drafts = self.inner.propose(inputs)
+        tokens = [
+            [(t + 1) % VOCAB if (position + i) % 3 == 1 else t for i, t in enumerate(row)]
+            for row, position in zip(drafts.tokens, inputs.positions, strict=True)
+        ]
+        return Drafts(tokens, drafts.probs)
+
+
+def speculative_engine(path: Path, k: int, spoil: bool = False, **overrides) -> EngineCore:
+    engine = engine_harness.make_engine(
+        path, speculative_tokens=k, speculative_method="self", **overrides
+    )
+    if spoil:
+        engine.speculative.drafter = SpoilingDrafter(engine.speculative.drafter)
+    return engine
+
+
+def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(engine: EngineCore, workload) -> dict[str, tuple[list[int], str | None]]:
+    for rid, prompt, params, eos in workload:
+        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                                         eos_token_ids=eos, arrival_time=0.0))  # fmt: skip
+    results: dict[str, tuple[list[int], str | None]] = {}
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            tokens, _ = results.get(output.request_id, ([], None))
+            results[output.request_id] = (tokens + output.new_token_ids, output.finish_reason)
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.usage == 0.0 and not engine.scheduler.running
+    return results
+
+
+@pytest.fixture(scope="module")
+def path(hf_checkpoints) -> Path:
+    return hf_checkpoints(False)
+
+
+@pytest.mark.parametrize(("k", "spoil"), [(1, False), (3, False), (2, True), (4, True)])
+def test_greedy_batch_equals_plain_decoding(path, k, spoil):
+    """Several prompts, some prefilled in chunks beside the others' verify steps."""
+    batch = prompts(1, (5, 13, 30, 2, 41))
+    expected = generate(engine_harness.make_engine(path, max_num_batched_tokens=24), batch,
+                        greedy(23))  # fmt: skip
+    engine = speculative_engine(path, k, spoil, max_num_batched_tokens=24)
+    assert generate(engine, batch, greedy(23)) == expected
+    stats = engine.stats().spec_decode
+    assert stats.num_drafts > 0 and stats.num_draft_tokens <= k * stats.num_drafts
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert stats.accepted_per_pos == sorted(stats.accepted_per_pos, reverse=True)
+    if spoil:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    else:  # the model drafting greedily for itself: every draft is what it verifies
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.usage == 0.0
+
+
+def test_stops_and_limits_inside_an_accepted_run(path):
+    """EOS inside a run of accepted drafts ends the request there, max_tokens cuts a run,
+    min_tokens holds a stop back within a run (its rows are sampled with the stop banned)."""
+    probe = generate(engine_harness.make_engine(path), prompts(2, (9,)), greedy(12))[0]
+    # The first token from the fourth on that the output has not had before: EOS ends it there.
+    at = next(i for i in range(3, len(probe)) if probe[i] not in probe[:i])
+    stop = probe[at]
+    batch = prompts(2, (9, 20, 7, 15))
+    workload = [
+        ("eos", batch[0], SamplingParams(temperature=0.0, max_tokens=30), [stop]),
+        ("min", batch[0], SamplingParams(temperature=0.0, max_tokens=30, min_tokens=8), [stop]),
+        ("len", batch[1], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), []),
+        ("one", batch[2], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), []),
+        ("long", batch[3], SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True), []),
+    ]
+    plain = run(engine_harness.make_engine(path), workload)
+    assert plain["eos"] == (probe[: at + 1], "stop") and len(plain["min"][0]) >= 8
+    assert plain["len"][1] == "length" and len(plain["len"][0]) == 5
+    for k, spoil in ((3, False), (4, True)):
+        assert run(speculative_engine(path, k, spoil), workload) == plain
+
+
+def test_context_limit_inside_an_accepted_run(path):
+    """Drafts never run past max_model_len: the request ends by length exactly there."""
+    prompt = prompts(3, (50,))
+    unbounded = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    expected = generate(engine_harness.make_engine(path, max_model_len=60), prompt, unbounded)
+    engine = speculative_engine(path, 4, max_model_len=60)
+    assert generate(engine, prompt, unbounded) == expected
+    assert len(expected[0]) == 10
+
+
+def test_prefix_hit(path, monkeypatch):
+    """A repeated prompt reuses the blocks of the first one (only accepted tokens were sealed
+    into the cache) and continues as cold."""
+    prompt = prompts(4, (22,))[0]
+    expected = generate(engine_harness.make_engine(path), [prompt], greedy(14))[0]
+    monkeypatch.setitem(DEFAULTS, "speculative_tokens", 3)
+    monkeypatch.setitem(DEFAULTS, "speculative_method", "self")
+    check_prefix_hit_equals_cold(path, prompt, expected)
+    # The second prompt is the first's whole sequence: its blocks were sealed from the
+    # verified tokens, drafts never among them.
+    engine = speculative_engine(path, 3, spoil=True)
+    first = generate(engine, [prompt], greedy(14))[0]
+    follow_up = prompt + first
+    continued = generate(engine, [follow_up], greedy(6))[0]
+    cold = generate(engine_harness.make_engine(path, enable_prefix_caching=False), [follow_up],
+                    greedy(6))[0]  # fmt: skip
+    assert first == expected and continued == cold
+    block = engine.config.block_size
+    assert engine.scheduler.counters.prefix_hits >= (len(follow_up) - 1) // block * block
+
+
+def test_preemption(path):
+    """A cache too small for the batch preempts requests (their drafts go with their blocks);
+    they recompute and the output is unchanged."""
+    batch = prompts(5, (18, 25, 11, 30))
+    expected = generate(engine_harness.make_engine(path), batch, greedy(30))
+    engine = speculative_engine(path, 3, spoil=True, num_kv_blocks=40, max_model_len=128)
+    assert generate(engine, batch, greedy(30)) == expected
+    assert engine.scheduler.counters.preemptions > 0
+
+
+def test_logprobs_and_penalties(path):
+    """Each accepted token's logprobs are those plain decoding reports; penalties count the
+    drafts before each row, so penalised greedy output is unchanged too."""
+    batch = prompts(6, (12, 19))
+    scored = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True, logprobs=3)
+    penalised = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True,
+                               frequency_penalty=1.5, presence_penalty=0.5,
+                               repetition_penalty=1.3)  # fmt: skip
+
+    def outputs(engine: EngineCore) -> dict[str, list]:
+        for rid, params in (("scored", scored), ("penalised", penalised)):
+            engine_harness.submit(engine, rid, batch[rid == "penalised"], params)
+        got: dict[str, list] = {"scored": [], "penalised": [], "logprobs": []}
+        while engine.has_unfinished_requests:
+            for output in engine.step():
+                got[output.request_id] += output.new_token_ids
+                got["logprobs"] += output.logprobs or []
+        return got
+
+    plain = outputs(engine_harness.make_engine(path))
+    speculative = outputs(speculative_engine(path, 3, spoil=True))
+    assert speculative["scored"] == plain["scored"]
+    assert speculative["penalised"] == plain["penalised"]
+    assert len(speculative["logprobs"]) == 15
+    for ours, theirs in zip(speculative["logprobs"], plain["logprobs"], strict=True):
+        assert ours.token_id == theirs.token_id and ours.rank == theirs.rank
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
+
+
+def test_seeded_sampling_is_deterministic(path):
+    """A seeded sampled request gives the same tokens every run, whatever shares its batch
+    (its drafts, acceptance draws and resampling all come from its own generator)."""
+    batch = prompts(7, (10, 16))
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    alone = generate(speculative_engine(path, 3), batch[:1], seeded)[0]
+    engine = speculative_engine(path, 3, seed=5)
+    engine_harness.submit(engine, "other", batch[1], other)
+    together = generate(engine, batch[:1], seeded)[0]
+    assert alone == together and len(alone) == 20
+
+
+def test_metrics_report_spec_decode_counters(path):
+    engine = speculative_engine(path, 2, spoil=True)
+    generate(engine, prompts(8, (9, 14)), greedy(12))
+    metrics = Metrics("tiny")
+    metrics.record_engine_stats(engine.stats())
+    text = metrics.render().decode()
+    stats = engine.speculative.counters
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {stats.num_drafts:.1f}' in text
+    assert f"vllm:spec_decode_num_draft_tokens_total{{model_name=\"tiny\"}} " \
+           f"{stats.num_draft_tokens:.1f}" in text  # fmt: skip
+    accepted = 'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"}'
+    assert f"{accepted} {stats.num_accepted_tokens:.1f}" in text
+    for position, count in enumerate(stats.accepted_per_pos):
+        series = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        assert f'{series}{{model_name="tiny",position="{position}"}} {count:.1f}' in text
+
+
+def test_stop_string_inside_an_accepted_run(tmp_path):
+    """A stop string completed by a token inside a run of accepted drafts ends the output
+    there: text and token ids equal plain decoding's."""
+    Qwen3Line().write_tiny_checkpoint(tmp_path, seed=3, num_hidden_layers=2)
+    plain = LLM(str(tmp_path), max_model_len=128, block_size=4, device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    text = plain.generate(["Hello there"], params)[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text
+    stopped = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    expected = plain.generate(["Hello there"], stopped)[0]
+    assert expected.finish_reason == "stop"
+    speculative = LLM(str(tmp_path), max_model_len=128, block_size=4, device="cpu",
+                      speculative_tokens=4, speculative_method="self")  # fmt: skip
+    got = speculative.generate(["Hello there"], stopped)[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (
+        expected.text,
+        expected.token_ids,
+        expected.finish_reason,
+    )
+
+
+def test_refusals(path):
+    with pytest.raises(ConfigError, match="no MTP drafter"):
+        engine_harness.make_engine(path, speculative_tokens=2)
+    for flags, named in (({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+                         ({"kv_offload": True}, "--kv-offload")):  # fmt: skip
+        with pytest.raises(ConfigError, match=named):
+            EngineArgs(model=str(path), speculative_tokens=2, **flags).validate()
+    with pytest.raises(ConfigError, match="speculative_tokens"):
+        EngineArgs(model=str(path), speculative_tokens=-1).validate()
+    engine = speculative_engine(path, 2)
+    schema = StructuredOutput.json_schema({"type": "object"})
+    with pytest.raises(InvalidRequestError, match="--speculative-tokens"):
+        engine_harness.submit(engine, "json", [1, 2, 3],
+                              SamplingParams(max_tokens=4, structured=schema))  # fmt: skip
