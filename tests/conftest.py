@@ -55,3 +55,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         missing = [missing_line(name) for name in needed if isinstance(name, str)]
         if any(missing):
             item.add_marker(pytest.mark.skip(reason=_skip_reason(next(filter(None, missing)))))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`prefill_length` takes each of its test class's `PREFILL_LENGTHS`
+    (tests/paged_runner.py: `ForwardMatchesTransformers`)."""
+    if "prefill_length" in metafunc.fixturenames:
+        metafunc.parametrize("prefill_length", metafunc.cls.PREFILL_LENGTHS)

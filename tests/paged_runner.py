@@ -3,6 +3,8 @@ and the checks of that forward against transformers that every line's tests shar
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from pegainfer.core.kv.kv_cache import KVCache
@@ -124,3 +126,33 @@ def check_mixed_batch(ours, hf, vocab: int) -> None:
     assert_close(out["chunk"], refs["chunk"][11:30])
     assert_close(out["d1"], refs["d1"][8:9])
     assert_close(out["d2"], refs["d2"][13:14])
+
+
+class ForwardMatchesTransformers:
+    """The checks every line's forward passes against transformers' logits (float32, ≤ TOL):
+    one-chunk prefills of `PREFILL_LENGTHS` (tests/conftest.py parametrises
+    `prefill_length` by them), a prompt of `CHUNKED_LENGTH` tokens in chunks of
+    `CHUNK_SIZES`, token-by-token decode after `DECODE_PREFILL` tokens, and a mixed batch. A
+    line's test class sets `VOCAB`; its module provides the `models` fixture (ours, hf)."""
+
+    VOCAB: ClassVar[int]
+    PREFILL_LENGTHS: ClassVar[tuple[int, ...]] = (1, 5, 17, 70)
+    CHUNKED_LENGTH: ClassVar[int] = 60
+    CHUNK_SIZES: ClassVar[tuple[int, ...]] = (7, 20, 1, 32)
+    DECODE_PREFILL: ClassVar[int] = 10
+
+    def test_prefill(self, models, prefill_length):
+        ours, hf = models
+        tokens = random_tokens(prefill_length, prefill_length, self.VOCAB)
+        assert_close(PagedRunner(ours).step({"a": tokens})["a"], hf_logits(hf, tokens))
+
+    def test_chunked_prefill(self, models):
+        tokens = random_tokens(self.CHUNKED_LENGTH, 7, self.VOCAB)
+        check_chunked_prefill(*models, tokens, self.CHUNK_SIZES)
+
+    def test_token_by_token_decode(self, models):
+        tokens = random_tokens(24, 3, self.VOCAB)
+        check_token_by_token_decode(*models, tokens, prefill=self.DECODE_PREFILL)
+
+    def test_mixed_batch(self, models):
+        check_mixed_batch(*models, self.VOCAB)

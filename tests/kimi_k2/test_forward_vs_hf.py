@@ -7,11 +7,9 @@ import pytest
 
 from tests.kimi_k2.hf_reference import GROUPED, VOCAB, load_hf, load_ours, write_hf_checkpoint
 from tests.paged_runner import (
+    ForwardMatchesTransformers,
     PagedRunner,
     assert_close,
-    check_chunked_prefill,
-    check_mixed_batch,
-    check_token_by_token_decode,
     hf_logits,
     random_tokens,
 )
@@ -29,23 +27,8 @@ def models(request, tmp_path_factory):
     return load_ours(path), load_hf(path)
 
 
-@pytest.mark.parametrize("length", [1, 5, 17, 70])
-def test_prefill(models, length):
-    ours, hf = models
-    tokens = random_tokens(length, length, VOCAB)
-    assert_close(PagedRunner(ours).step({"a": tokens})["a"], hf_logits(hf, tokens))
-
-
-def test_chunked_prefill(models):
-    check_chunked_prefill(*models, random_tokens(60, 7, VOCAB), (7, 20, 1, 32))
-
-
-def test_token_by_token_decode(models):
-    check_token_by_token_decode(*models, random_tokens(24, 3, VOCAB), prefill=10)
-
-
-def test_mixed_batch(models):
-    check_mixed_batch(*models, VOCAB)
+class TestKimiK2Forward(ForwardMatchesTransformers):
+    VOCAB = VOCAB
 
 
 def test_routing_is_not_degenerate_and_the_bias_matters(models):

@@ -6,13 +6,7 @@ import pytest
 import torch
 
 from tests.paged_runner import (
-    PagedRunner,
-    assert_close,
-    check_chunked_prefill,
-    check_mixed_batch,
-    check_token_by_token_decode,
-    hf_logits,
-    random_tokens,
+    ForwardMatchesTransformers,
 )
 from tests.qwen3.hf_reference import VOCAB, load_hf, load_ours
 
@@ -23,23 +17,10 @@ def models(request, hf_checkpoints):
     return load_ours(path), load_hf(path)
 
 
-@pytest.mark.parametrize("length", [1, 5, 17, 40])
-def test_prefill(models, length):
-    ours, hf = models
-    tokens = random_tokens(length, length, VOCAB)
-    assert_close(PagedRunner(ours).step({"a": tokens})["a"], hf_logits(hf, tokens))
-
-
-def test_chunked_prefill(models):
-    check_chunked_prefill(*models, random_tokens(40, 7, VOCAB), (7, 16, 1, 16))
-
-
-def test_token_by_token_decode(models):
-    check_token_by_token_decode(*models, random_tokens(24, 3, VOCAB), prefill=10)
-
-
-def test_mixed_batch(models):
-    check_mixed_batch(*models, VOCAB)
+class TestQwen3Forward(ForwardMatchesTransformers):
+    VOCAB = VOCAB
+    PREFILL_LENGTHS = (1, 5, 17, 40)
+    CHUNKED_LENGTH, CHUNK_SIZES = 40, (7, 16, 1, 16)
 
 
 def test_perturbed_norms_matter(hf_checkpoints):

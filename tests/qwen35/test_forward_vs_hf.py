@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.paged_runner import (
+    ForwardMatchesTransformers,
     PagedRunner,
     assert_close,
-    check_chunked_prefill,
-    check_mixed_batch,
-    check_token_by_token_decode,
     hf_logits,
     random_tokens,
 )
@@ -22,25 +20,12 @@ def models(request, tmp_path_factory):
     return load_ours(path), load_hf(path)
 
 
-@pytest.mark.parametrize("length", [1, 5, 17, 70, 150])
-def test_prefill(models, length):
-    """One chunk; 70 and 150 tokens span several 64-token DeltaNet chunks."""
-    ours, hf = models
-    tokens = random_tokens(length, length, VOCAB)
-    assert_close(PagedRunner(ours).step({"a": tokens})["a"], hf_logits(hf, tokens))
-
-
-def test_chunked_prefill_continues_from_saved_state(models):
-    check_chunked_prefill(*models, random_tokens(100, 7, VOCAB), (7, 66, 1, 26))
-
-
-def test_token_by_token_decode(models):
-    check_token_by_token_decode(*models, random_tokens(24, 3, VOCAB), prefill=10)
-
-
-def test_mixed_batch(models):
-    """Each sequence in its own state slot."""
-    check_mixed_batch(*models, VOCAB)
+class TestQwen35Forward(ForwardMatchesTransformers):
+    VOCAB = VOCAB
+    # 70 and 150 tokens span several 64-token DeltaNet chunks; the chunked prompt continues
+    # from the state each chunk saved, and in a mixed batch each sequence has its own slot.
+    PREFILL_LENGTHS = (1, 5, 17, 70, 150)
+    CHUNKED_LENGTH, CHUNK_SIZES = 100, (7, 66, 1, 26)
 
 
 def test_a_reused_slot_starts_from_a_clean_state(models):
