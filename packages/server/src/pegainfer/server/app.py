@@ -23,8 +23,9 @@ from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.kv.kv_events import KVEventsConfig, endpoint_for_rank
 from pegainfer.server.chat import Chat, template_messages
 from pegainfer.server.completions import Completions
-from pegainfer.server.engine_client import AsyncEngineClient
+from pegainfer.server.engine_client import AsyncEngineClient, EngineFailedError, ServerBusyError
 from pegainfer.server.errors import APIError, bad_request
+from pegainfer.server.openai_serving import translate_engine_errors
 from pegainfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -274,7 +275,9 @@ def build_app(state: ServerState) -> Starlette:
         Route("/get_server_info", get_server_info, methods=["GET"]),
         Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
     ]
-    handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _crash}
+    handlers = {APIError: _api_error, ServerBusyError: _engine_error,
+                EngineFailedError: _engine_error, HTTPException: _http_error,
+                Exception: _crash}  # fmt: skip
     app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
     app.add_middleware(_AuthMiddleware, api_key=state.api_key)
     app.add_middleware(_CountRequests, state=state)  # outermost: 401s are counted too
@@ -368,6 +371,13 @@ def _version() -> str:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
+
+
+async def _engine_error(request: Request, exc: Exception) -> Response:
+    """The engine client's refusals before an answer starts (no waiting slot for a request's
+    preparation: 503 with Retry-After, as a full queue answers)."""
+    assert isinstance(exc, ServerBusyError | EngineFailedError)
+    return translate_engine_errors(exc).response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -11,7 +11,10 @@ token). A request whose consumer goes away is aborted.
 Work on a request before it reaches the engine (chat templates, tokenizing, grammar compiles)
 runs on a small pool of threads (`run_frontend`), never on the event loop: a 10 MB prompt
 takes seconds to tokenize, and every stream and `/health` must keep answering meanwhile.
-Tokenizing and compiling release the GIL; a template holds it only in slices.
+Tokenizing and compiling release the GIL; a template holds it only in slices. A request being
+prepared is a request waiting: it holds a waiting slot (and its body, up to the body limit)
+until its preparation is done, so requests piling up behind slow preparations are bounded by
+`--max-waiting-requests` and refused past it as a full queue refuses them.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class AsyncEngineClient:
         self._event_loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._waiting: set[str] = set()
+        self._preparing = 0  # frontend jobs queued or running, each holding a waiting slot
         self._slot_freed_at = time.monotonic()  # when a waiting slot was last given back
         self._reservations: list[Reservation] = []
         self._failed = False
@@ -115,7 +119,8 @@ class AsyncEngineClient:
 
     async def run_frontend(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`work(*args, **kwargs)` on the frontend's threads: request preparation that may
-        take long (see the module's docstring)."""
+        take long (see the module's docstring). It holds a waiting slot until it is done, or
+        is refused with `ServerBusyError` when none is free."""
 
         def job() -> T:
             started = time.monotonic()
@@ -125,7 +130,13 @@ class AsyncEngineClient:
                 if time.monotonic() - started > _LONG_JOB_S:
                     _release_freed_memory()
 
-        return await self._event_loop.run_in_executor(self._frontend_pool, job)
+        self._admit(1)
+        self._preparing += 1
+        try:
+            return await self._event_loop.run_in_executor(self._frontend_pool, job)
+        finally:
+            self._preparing -= 1
+            self._slot_freed_at = time.monotonic()
 
     def close(self) -> None:
         """Stop the frontend's threads (work already queued still finishes)."""
@@ -143,6 +154,11 @@ class AsyncEngineClient:
         self._stopped = True
         for request_id, queue in self._queues.items():
             queue.put_nowait(RequestOutput.failure(request_id, _SHUTTING_DOWN))
+
+    @property
+    def slots_held(self) -> int:
+        """Waiting slots held now, of `max_waiting`."""
+        return self._held(time.monotonic())
 
     @property
     def num_in_flight(self) -> int:
@@ -176,23 +192,28 @@ class AsyncEngineClient:
         Handlers reserve before they answer, so a refusal is a proper 503 even for a stream;
         `generate` claims the slots. A reservation nobody claims lapses after a while.
         """
+        reservation = Reservation(num_requests, self._admit(num_requests))
+        self._reservations.append(reservation)
+        return reservation
+
+    def _admit(self, num_requests: int) -> float:
+        """Refuse (`ServerBusyError`, or the engine's state) unless `num_requests` more
+        waiting slots are free; the time checked."""
         self._refuse_if_stopped()
         now = time.monotonic()
         held = self._held(now)
         if held + num_requests > self.max_waiting:
             raise ServerBusyError(f"{held} requests are already waiting")
-        reservation = Reservation(num_requests, now)
-        self._reservations.append(reservation)
-        return reservation
+        return now
 
     def _held(self, now: float) -> int:
-        """Waiting slots held: by requests before their first token, and by reservations
-        (those past their time freed)."""
+        """Waiting slots held: by requests being prepared, by requests before their first
+        token, and by reservations (those past their time freed)."""
         live = [r for r in self._reservations if now - r.created < _RESERVATION_TTL]
         if len(live) < len(self._reservations):
             self._slot_freed_at = now
         self._reservations = live
-        return len(self._waiting) + sum(r.slots for r in live)
+        return self._preparing + len(self._waiting) + sum(r.slots for r in live)
 
     def admission_stalled(self) -> str | None:
         """Why this server cannot admit work (None when it can): every waiting slot is held
