@@ -1,13 +1,27 @@
-"""Golden-gate checkpoints of the latent-attention MoE lines (DeepSeek-V2, GLM-5): random
-weights written by transformers with the gates' recipe for peaked distributions."""
+"""Golden gates of the latent-attention MoE lines (DeepSeek-V2, Kimi-K2, GLM-5): random
+weights written by transformers with the gates' recipe for peaked distributions, and the two
+gates every line runs on them (small width; real widths at reduced depth)."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
 
-from tests.qwen3.golden_gate import Case, reference_logprobs
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine.core import EngineCore
+from tests.qwen3.golden_gate import (
+    Case,
+    TeacherForcer,
+    judge,
+    judge_with_long_prompt,
+    make_cases,
+    real_shape_gate_passes,
+    reference_logprobs,
+    small_gate_passes,
+)
 
 FINAL_NORM_GAIN = 0.3
 
@@ -74,3 +88,42 @@ def hf_references(
         del hf
         torch.cuda.empty_cache()
     return refs
+
+
+def run_small_gate(path: Path, engine: EngineCore, model: str, vocab: int) -> None:
+    """Nine cases of up to 200 tokens batched in the 16-graph, five in the 8-graph, after a
+    prefix hit and eagerly, plus a 1,500-token prompt (one prefill from position 0), against
+    transformers' `{model}ForCausalLM` in bf16 and float32."""
+    cases = make_cases(9, vocab=vocab, max_prompt=200, decode=8, seed=0)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, vocab, (1508,), generator=g).tolist()
+    long = Case(tokens[:1500], tokens[1500:])
+    refs = hf_references(path, [*cases, long], model)
+    forcer = TeacherForcer(engine)
+    passes = small_gate_passes(forcer, cases)
+    long_pass = {"prompt_1500": forcer.run([long])}
+    r16, r32 = refs[torch.bfloat16], refs[torch.float32]
+    print(json.dumps(judge(long_pass, r16[-1:], r32[-1:], check=False), indent=2))
+    print(json.dumps(judge(passes, r16[:-1], r32[:-1]), indent=2))
+    judge(long_pass, r16[-1:], r32[-1:])
+
+
+def run_real_width_gate(
+    path: Path, model: str, vocab: int, num_cases: int, long_prompt: int, max_model_len: int
+) -> None:
+    """Batch 1 (twice, bit-identical), batch 9 in the 16-graph, a prefix hit, and one
+    `long_prompt`-token prompt, against transformers' `{model}ForCausalLM` in bf16 and float32;
+    the judgement is written to GATE_JSON when set."""
+    cases = make_cases(num_cases, vocab=vocab, max_prompt=256, decode=10, seed=0)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (long_prompt + 10,), generator=g).tolist()
+    long = Case(tokens[:long_prompt], tokens[long_prompt:])
+    refs = hf_references(path, [*cases, long], model)
+    engine = EngineCore(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
+                                   max_model_len=max_model_len, max_num_seqs=16,
+                                   gpu_memory_utilization=0.6))  # fmt: skip
+    forcer = TeacherForcer(engine)
+    passes = real_shape_gate_passes(forcer, cases)
+    long_pass = {f"prompt_{long_prompt}": forcer.run([long])}
+    out = Path(os.environ["GATE_JSON"]) if os.environ.get("GATE_JSON") else None
+    judge_with_long_prompt(passes, long_pass, refs[torch.bfloat16], refs[torch.float32], out)

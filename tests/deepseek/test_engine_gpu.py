@@ -7,29 +7,20 @@ MoE structure (a dense first layer, top-k routed experts plus a shared one) at a
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.server.bench.make_checkpoint import DEEPSEEK_SHAPES
 from tests.deepseek.hf_reference import SMALL
-from tests.latent_moe_gate import hf_references, write_gate_checkpoint
+from tests.latent_moe_gate import run_real_width_gate, run_small_gate, write_gate_checkpoint
 from tests.qwen3.golden_gate import (
     PIECEWISE_LENGTHS,
-    Case,
-    TeacherForcer,
     assert_graph_replay_equals_eager,
     assert_pieces_match_eager,
-    judge,
-    judge_with_long_prompt,
-    make_cases,
-    real_shape_gate_passes,
-    small_gate_passes,
 )
 
 pytestmark = pytest.mark.gpu
@@ -98,18 +89,7 @@ def test_small_golden_gate(small):
     plus a 1,500-token prompt (one prefill from position 0: the expanded form). Absorbed rows:
     every decode, and the prefix-hit pass's chunks over their cached prefixes."""
     path, engine = small
-    cases = make_cases(9, vocab=VOCAB, max_prompt=200, decode=8, seed=0)
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, VOCAB, (1508,), generator=g).tolist()
-    long = Case(tokens[:1500], tokens[1500:])
-    refs = hf_references(path, [*cases, long], "DeepseekV2")
-    forcer = TeacherForcer(engine)
-    passes = small_gate_passes(forcer, cases)
-    long_pass = {"prompt_1500": forcer.run([long])}
-    r16, r32 = refs[torch.bfloat16], refs[torch.float32]
-    print(json.dumps(judge(long_pass, r16[-1:], r32[-1:], check=False), indent=2))
-    print(json.dumps(judge(passes, r16[:-1], r32[:-1]), indent=2))
-    judge(long_pass, r16[-1:], r32[-1:])
+    run_small_gate(path, engine, "DeepseekV2", VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -126,17 +106,11 @@ def v2_lite(tmp_path_factory):
 def test_golden_gate_at_deepseek_v2_lite_shapes(v2_lite):
     """Batch 1 (twice, bit-identical), batch 9 in the 16-graph, a prefix hit, and a
     4,500-token prompt, against transformers in bf16 and float32."""
-    path = v2_lite
-    cases = make_cases(27, vocab=V2_LITE["vocab_size"], max_prompt=256, decode=10, seed=0)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, V2_LITE["vocab_size"], (4510,), generator=g).tolist()
-    long = Case(tokens[:4500], tokens[4500:])
-    refs = hf_references(path, [*cases, long], "DeepseekV2")
-    engine = EngineCore(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
-                                   max_model_len=8192, max_num_seqs=16,
-                                   gpu_memory_utilization=0.6))  # fmt: skip
-    forcer = TeacherForcer(engine)
-    passes = real_shape_gate_passes(forcer, cases)
-    long_pass = {"prompt_4500": forcer.run([long])}
-    out = Path(os.environ["GATE_JSON"]) if os.environ.get("GATE_JSON") else None
-    judge_with_long_prompt(passes, long_pass, refs[torch.bfloat16], refs[torch.float32], out)
+    run_real_width_gate(
+        v2_lite,
+        "DeepseekV2",
+        V2_LITE["vocab_size"],
+        num_cases=27,
+        long_prompt=4500,
+        max_model_len=8192,
+    )

@@ -9,7 +9,6 @@ small width; and Kimi-K2's real widths at reduced depth."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -18,18 +17,11 @@ import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
-from tests.latent_moe_gate import hf_references, write_gate_checkpoint
+from tests.latent_moe_gate import run_real_width_gate, run_small_gate, write_gate_checkpoint
 from tests.qwen3.golden_gate import (
     PIECEWISE_LENGTHS,
-    Case,
-    TeacherForcer,
     assert_graph_replay_equals_eager,
     assert_pieces_match_eager,
-    judge,
-    judge_with_long_prompt,
-    make_cases,
-    real_shape_gate_passes,
-    small_gate_passes,
 )
 
 pytestmark = pytest.mark.gpu
@@ -102,18 +94,7 @@ def test_small_golden_gate(small):
     """Nine cases batched in the 16-graph, five in the 8-graph, after a prefix hit and eagerly,
     plus a 1,500-token prompt (one prefill from position 0: the expanded form)."""
     path, engine = small
-    cases = make_cases(9, vocab=VOCAB, max_prompt=200, decode=8, seed=0)
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, VOCAB, (1508,), generator=g).tolist()
-    long = Case(tokens[:1500], tokens[1500:])
-    refs = hf_references(path, [*cases, long], "DeepseekV3")
-    forcer = TeacherForcer(engine)
-    passes = small_gate_passes(forcer, cases)
-    long_pass = {"prompt_1500": forcer.run([long])}
-    r16, r32 = refs[torch.bfloat16], refs[torch.float32]
-    print(json.dumps(judge(long_pass, r16[-1:], r32[-1:], check=False), indent=2))
-    print(json.dumps(judge(passes, r16[:-1], r32[:-1]), indent=2))
-    judge(long_pass, r16[-1:], r32[-1:])
+    run_small_gate(path, engine, "DeepseekV3", VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +112,11 @@ def reduced(tmp_path_factory):
 def test_golden_gate_at_kimi_k2_widths(reduced):
     """Batch 1 (twice, bit-identical), batch 9 in the 16-graph, a prefix hit, and a
     4,500-token prompt, against transformers in bf16 and float32."""
-    path = reduced
-    cases = make_cases(18, vocab=KIMI_REDUCED["vocab_size"], max_prompt=256, decode=10, seed=0)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, KIMI_REDUCED["vocab_size"], (4510,), generator=g).tolist()
-    long = Case(tokens[:4500], tokens[4500:])
-    refs = hf_references(path, [*cases, long], "DeepseekV3")
-    engine = EngineCore(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
-                                   max_model_len=8192, max_num_seqs=16,
-                                   gpu_memory_utilization=0.6))  # fmt: skip
-    forcer = TeacherForcer(engine)
-    passes = real_shape_gate_passes(forcer, cases)
-    long_pass = {"prompt_4500": forcer.run([long])}
-    out = Path(os.environ["GATE_JSON"]) if os.environ.get("GATE_JSON") else None
-    judge_with_long_prompt(passes, long_pass, refs[torch.bfloat16], refs[torch.float32], out)
+    run_real_width_gate(
+        reduced,
+        "DeepseekV3",
+        KIMI_REDUCED["vocab_size"],
+        num_cases=18,
+        long_prompt=4500,
+        max_model_len=8192,
+    )
