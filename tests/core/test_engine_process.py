@@ -42,7 +42,7 @@ def test_the_engine_process_generates_what_the_engine_does(model_dir):
     prompts = [[1, 2, 3], list(range(30)), [9] * 5]
     engine = EngineCore(engine_args(model_dir))
     expected = generate(engine, prompts, greedy(10))
-    process = EngineProcess(engine_args(model_dir))
+    process = EngineProcess.spawn(engine_args(model_dir))
     try:
         assert process.wait_ready() == engine.config
         outputs: queue.SimpleQueue[bytes] = queue.SimpleQueue()
@@ -74,7 +74,7 @@ def test_a_load_error_reaches_the_frontend_with_its_text(model_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
     with pytest.raises(ModelLineError) as in_process:
         EngineCore(engine_args(bad))
-    process = EngineProcess(engine_args(bad))
+    process = EngineProcess.spawn(engine_args(bad))
     with pytest.raises(EngineStartError) as remote:
         process.wait_ready()
     assert str(remote.value) == str(in_process.value)
@@ -83,7 +83,7 @@ def test_a_load_error_reaches_the_frontend_with_its_text(model_dir, tmp_path):
 
 
 def test_a_dead_engine_process_fails_the_requests_in_flight(model_dir):
-    process = EngineProcess(engine_args(model_dir))
+    process = EngineProcess.spawn(engine_args(model_dir))
     try:
         process.wait_ready()
         outputs: queue.SimpleQueue[bytes] = queue.SimpleQueue()

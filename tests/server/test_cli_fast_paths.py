@@ -42,3 +42,22 @@ def test_a_busy_port_fails_at_once_in_one_line(tmp_path):
         f"pegainfer-server: cannot listen on 127.0.0.1:{port}: Address already in use"
     ]
     assert "torch imported: False" in done.stdout
+
+
+def test_the_engine_process_starts_before_torch_is_imported(tmp_path):
+    """The engine process imports torch and loads while the server imports its own modules."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pegainfer.server import cli
+
+        def spawn_engine(args, log_format):
+            print("torch imported at spawn:", "torch" in sys.modules)
+            sys.exit(3)
+
+        cli.spawn_engine = spawn_engine
+        sys.exit(cli.main(["--model-path", {str(tmp_path)!r}, "--port", "0"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.strip() == "torch imported at spawn: False"

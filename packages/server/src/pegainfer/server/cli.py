@@ -21,11 +21,13 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine.spawn import SpawnedEngine, spawn_engine
 from pegainfer.core.errors import PegainferError
 from pegainfer.core.kv.kv_events import KVEventsConfig
 
 if TYPE_CHECKING:
     from pegainfer.core.engine.core import EngineConfig
+    from pegainfer.core.engine.frontend import Frontend
     from pegainfer.core.engine.process import EngineProcess
     from pegainfer.server.app import ServerState
 
@@ -173,15 +175,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
         return 1
     with listener:
-        # Plugins (and torch with them) load only now: the answer parsers come from them.
-        from pegainfer.server import parsers
-
+        # The engine process starts loading now, importing torch while this process does.
+        spawned = spawn_engine(engine_args, _LOG_FORMAT)
         try:
+            # Plugins (and torch with them) load only now: the answer parsers come from them.
+            from pegainfer.server import parsers
+
             parsers.check_names(parsers.registry(), _requested_parsers(server))
-        except PegainferError as exc:
+        except BaseException as exc:
+            spawned.stop()
+            if not isinstance(exc, PegainferError):
+                raise
             print(f"pegainfer-server: {exc}", file=sys.stderr)
             return 2
-        return asyncio.run(serve(engine_args, server, listener))
+        return asyncio.run(serve(engine_args, server, listener, spawned))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -203,8 +210,14 @@ def _requested_parsers(server: dict[str, Any]) -> dict[str, str | None]:
     return {"reasoning": server["reasoning_parser"], "tool_call": server["tool_call_parser"]}
 
 
-async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socket.socket) -> int:
-    """Serve HTTP at once on `listener` and the model once the engine process has loaded it.
+async def serve(
+    engine_args: EngineArgs,
+    server: dict[str, Any],
+    listener: socket.socket,
+    spawned: SpawnedEngine,
+) -> int:
+    """Serve HTTP at once on `listener` and the model once the engine process (`spawned`,
+    loading it) has loaded it.
 
     SIGINT and SIGTERM close the listening socket and drain: requests in flight get
     `--shutdown-timeout` seconds, then what is left is ended with a proper error; then the
@@ -214,7 +227,6 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
-    from pegainfer.core.engine.frontend import Frontend
     from pegainfer.core.engine.metrics import Metrics
     from pegainfer.core.engine.process import EngineProcess
     from pegainfer.server import http2, parsers
@@ -249,11 +261,13 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
     drain = asyncio.create_task(_drain_on_stop(state, stop, server["shutdown_timeout"]))
 
     exit_code = 0
-    engine = EngineProcess(engine_args, _LOG_FORMAT)
+    engine = EngineProcess(spawned)
+    # The tokenizer and chat template load while the engine process loads the model.
+    frontend_load = asyncio.ensure_future(asyncio.to_thread(_load_frontend, engine_args))
     try:
         try:
             engine_config = await _load(engine, stop)
-            frontend = await asyncio.to_thread(Frontend.for_engine, engine_config)
+            frontend = await frontend_load
             line_defaults = {
                 "reasoning": engine_config.reasoning_parser,
                 "tool_call": engine_config.tool_call_parser,
@@ -285,6 +299,10 @@ async def serve(engine_args: EngineArgs, server: dict[str, Any], listener: socke
                 stop.set()
         await http
     finally:  # whatever ended serving: the engine process (not a daemon) must not outlive it
+        if not frontend_load.done():
+            frontend_load.cancel()
+        elif not frontend_load.cancelled():
+            frontend_load.exception()  # retrieved: when the engine failed, its error is reported
         drain.cancel()
         if state.client is not None:
             state.client.close()
@@ -315,6 +333,13 @@ async def _drain_on_stop(state: ServerState, stop: asyncio.Event, grace: float) 
 _SHUTDOWN_TIMEOUT_S = 15.0
 _ANSWER_ENDED_S = 5.0
 _ENGINE_STOP_S = 10.0
+
+
+def _load_frontend(engine_args: EngineArgs) -> Frontend:
+    from pegainfer.core.engine.frontend import Frontend
+    from pegainfer.core.engine.model_source import resolve_model_source
+
+    return Frontend.for_source(resolve_model_source(engine_args))
 
 
 async def _load(engine: EngineProcess, stop: asyncio.Event) -> EngineConfig:

@@ -26,6 +26,7 @@ from pegainfer.core.engine.messages import (
     RequestOutput,
     RequestTiming,
 )
+from pegainfer.core.engine.model_source import resolve_model_source
 from pegainfer.core.engine.request import Request, RequestStatus
 from pegainfer.core.engine.scheduler import (
     ScheduledChunk,
@@ -43,9 +44,7 @@ from pegainfer.core.kv.kv_cache import (
 )
 from pegainfer.core.kv.kv_events import KVEventsConfig, ZmqEventPublisher
 from pegainfer.core.kv.kv_offload import HostMemoryTier
-from pegainfer.core.loading.model_files import read_config, resolve_model_dir
 from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
-from pegainfer.core.plugins import detect_model_line, model_lines
 from pegainfer.core.process_info import StartupLog
 from pegainfer.core.runner.cuda_graphs import graph_buckets
 from pegainfer.core.runner.forward_batch import Feed, ForwardBatch, LogitsRows, to_device
@@ -175,12 +174,8 @@ class EngineCore:
     def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
         args.validate()
         self._startup = StartupLog(logger)
-        model_dir = resolve_model_dir(args.model, args.revision)
-        model_config = read_config(model_dir)
-        line = detect_model_line(model_config, model_lines() if lines is None else lines)
-        tokenizer_dir = model_dir
-        if args.tokenizer is not None:
-            tokenizer_dir = resolve_model_dir(args.tokenizer, args.revision, line.tokenizer_file)
+        source = resolve_model_source(args, lines)
+        model_dir, model_config, line = source.model_dir, source.config, source.line
         ignored = sorted(line.unsupported_args & args.explicit_fields())
         if ignored:
             raise ConfigError(
@@ -208,7 +203,7 @@ class EngineCore:
             self._check_parallel(args, device, world)
             self.ranks = TensorParallelRanks(world, spec)
         try:
-            self._set_up(args, line, tokenizer_dir, spec.context(device, 0, world))
+            self._set_up(args, line, source.tokenizer_dir, spec.context(device, 0, world))
         except BaseException:
             self.shutdown()  # the workers and their process group end with the failed engine
             raise

@@ -26,6 +26,7 @@ from pegainfer.core.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from pegainfer.core.engine.core import EngineConfig
+    from pegainfer.core.engine.model_source import ModelSource
     from pegainfer.core.model_line import ModelLine
 
 logger = logging.getLogger(__name__)
@@ -185,8 +186,16 @@ class Frontend:
     def for_engine(cls, config: EngineConfig, lines: list[ModelLine] | None = None) -> Frontend:
         """The frontend of the model an engine serves, its tokenizer loaded by the engine's
         model line (found among `lines`, default the installed ones)."""
-        line = find_model_line(config.line, lines)
-        return cls(config.model_dir, line.load_tokenizer(config.tokenizer_dir))
+        return cls.load(find_model_line(config.line, lines), config.model_dir, config.tokenizer_dir)
+
+    @classmethod
+    def for_source(cls, source: ModelSource) -> Frontend:
+        """The frontend of the model `source` names (before an engine has loaded it)."""
+        return cls.load(source.line, source.model_dir, source.tokenizer_dir)
+
+    @classmethod
+    def load(cls, line: ModelLine, model_dir: Path, tokenizer_dir: Path) -> Frontend:
+        return cls(model_dir, line.load_tokenizer(tokenizer_dir))
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         return self.defaults.sampling_params(**overrides)

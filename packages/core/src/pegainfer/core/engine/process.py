@@ -2,12 +2,11 @@
 
 HTTP framing, detokenization and metrics would otherwise share a GIL with the step loop (under
 load the front end's Python took a third of the server's samples, and the step loop waited
-for it). `EngineProcess` spawns the engine process (spawn: CUDA cannot be forked; not a
-daemon, since it may spawn tensor-parallel workers of its own), which loads the model and
-answers with its resolved `EngineConfig` or the text of the error that stopped it. Then
-inbound messages go down one pipe and encoded `EngineOutputs` come back up another, the same
-bytes an `EngineLoop` thread exchanges, so the frontend drives either through
-`EngineConnection`.
+for it). `spawn_engine` starts the engine process (`spawn.py`: before the server imports
+torch, so the two import at once), which loads the model and answers with its resolved
+`EngineConfig` or the text of the error that stopped it. Then inbound messages go down one
+pipe and encoded `EngineOutputs` come back up another, the same bytes an `EngineLoop` thread
+exchanges, so the frontend drives either through `EngineConnection`.
 
 In the engine process the step loop runs in the main thread; a receiver thread moves
 messages from the pipe to the loop's inbox (the loop polls it while requests run and blocks
@@ -40,6 +39,7 @@ from pegainfer.core.distributed.tensor_parallel import _exit_with_parent
 from pegainfer.core.engine.core import EngineConfig, EngineCore
 from pegainfer.core.engine.loop import EngineLoop, OutputSink, encode
 from pegainfer.core.engine.messages import EngineOutputs, Inbound, Shutdown
+from pegainfer.core.engine.spawn import SpawnedEngine, spawn_engine
 from pegainfer.core.errors import PegainferError
 
 logger = logging.getLogger(__name__)
@@ -80,34 +80,23 @@ _started_decoder = msgspec.msgpack.Decoder(_Started, dec_hook=_dec_hook)
 
 
 class EngineProcess:
-    """The engine process, seen from the server. Spawned at construction; `wait_ready`
-    returns the engine's config once the model has loaded (or raises `EngineStartError`).
-    The engine process logs at this process's level, in `log_format`."""
+    """The engine process, seen from the server: `spawned` (`spawn_engine`) loads its model
+    at once; `wait_ready` returns the engine's config once it has (or raises
+    `EngineStartError`). `EngineProcess.spawn` does both steps."""
 
-    def __init__(self, args: EngineArgs, log_format: str = logging.BASIC_FORMAT) -> None:
-        context = mp.get_context("spawn")
-        inbox_reader, self._inbox = context.Pipe(duplex=False)
-        self._outbox, outbox_writer = context.Pipe(duplex=False)
-        self.process = context.Process(
-            target=_engine_main,
-            args=(
-                args,
-                inbox_reader,
-                outbox_writer,
-                logging.getLogger().getEffectiveLevel(),
-                log_format,
-            ),
-            name="pegainfer-engine",
-            daemon=False,  # it may spawn tensor-parallel workers, which a daemon cannot
-        )
-        self.process.start()
-        # Only the engine process holds these ends now: its death closes the pipes.
-        inbox_reader.close()
-        outbox_writer.close()
+    def __init__(self, spawned: SpawnedEngine) -> None:
+        self.process = spawned.process
+        self._inbox, self._outbox = spawned.inbox, spawned.outbox
         self._writer = _PipeWriter(self._inbox)
         self._reader: threading.Thread | None = None
         self._stopping = False
         self._dead = False
+
+    @classmethod
+    def spawn(cls, args: EngineArgs, log_format: str = logging.BASIC_FORMAT) -> EngineProcess:
+        """Start the engine process for `args` (logging at this process's level, in
+        `log_format`)."""
+        return cls(spawn_engine(args, log_format))
 
     def wait_ready(self) -> EngineConfig:
         """Block until the engine has loaded; raise `EngineStartError` with its reason if it
@@ -186,7 +175,7 @@ def _ended(process: mp.process.BaseProcess) -> str:
     return f"exited with code {code}"
 
 
-def _engine_main(
+def engine_main(
     args: EngineArgs, inbox: Connection, outbox: Connection, log_level: int, log_format: str
 ) -> None:
     """The engine process: load, report, then run the loop until Shutdown or the server ends."""
