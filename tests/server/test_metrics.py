@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
 
 import httpx
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.helpers import MESSAGES, PROMPT, metric, metrics, tokenize, wait_until
+from pegainfer.core.engine.core import EngineConfig
+from pegainfer.core.engine.frontend import Frontend
+from pegainfer.core.engine.metrics import Metrics
+from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.text.tokenizer import Tokenizer
+from pegainfer.server.engine_client import AsyncEngineClient
+from tests.server.helpers import (
+    MESSAGES,
+    PROMPT,
+    metric,
+    metrics,
+    sse_payloads,
+    tokenize,
+    wait_until,
+)
+from tests.server.test_health import SilentEngine
 
 COUNTERS = [
     "vllm:prompt_tokens_total",
@@ -219,3 +237,74 @@ def test_http_requests_count_refusals_before_the_engine(server):
     chat = "/v1/chat/completions"
     assert count(after, chat, "4xx") == count(before, chat, "4xx") + 1
     assert count(after, "none", "4xx", "GET") == count(before, "none", "4xx", "GET") + 1
+
+
+def test_prompt_tokens_count_once_per_sequence_the_engine_ran(server):
+    """As vLLM counts them: each sequence's prompt once, when it runs (each of n choices and
+    each prompt of a batch is a sequence), while usage counts each prompt once; every sequence
+    finishes once, and the HTTP request is one."""
+    prompts = [f"{uuid.uuid4().hex} {PROMPT}", f"{uuid.uuid4().hex} and more"]
+    lengths = [len(tokenize(server, prompt=p)) for p in prompts]
+    n = 3
+    before = metrics(server.url)
+    body = {"prompt": prompts, "n": n, "max_tokens": 2, "ignore_eos": True}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    chat = {"messages": MESSAGES, "n": 2, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    streamed = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert streamed.status_code == 200, streamed.text
+    after = metrics(server.url)
+    chat_prompt = len(tokenize(server, messages=MESSAGES))
+    assert response.json()["usage"]["prompt_tokens"] == sum(lengths)
+    assert sse_payloads(streamed.content)[-1]["usage"]["prompt_tokens"] == chat_prompt
+    sequences = n * len(prompts) + 2
+    processed = n * sum(lengths) + 2 * chat_prompt
+    assert deltas(before, after, ["vllm:prompt_tokens_total", "vllm:request_prompt_tokens_sum",
+                                  "vllm:request_prompt_tokens_count"]) == {
+        "vllm:prompt_tokens_total": processed,
+        "vllm:request_prompt_tokens_sum": processed,
+        "vllm:request_prompt_tokens_count": sequences,
+    }  # fmt: skip
+    finished = sum(
+        metric(after, "vllm:request_success_total", finished_reason=reason)
+        - metric(before, "vllm:request_success_total", finished_reason=reason)
+        for reason in ("stop", "length", "abort", "error")
+    )
+    assert finished == sequences
+
+
+def test_a_sequence_ended_before_its_prompt_ran_counts_no_prompt_tokens(tiny_model):
+    """It finishes (aborted, with its prompt's length in the histogram), but its prompt was
+    never processed: vLLM leaves it out of prompt_tokens_total."""
+    model_config = json.loads((tiny_model / "config.json").read_text())
+    config = EngineConfig(tiny_model, tiny_model, model_config, "qwen3", torch.device("cpu"),
+                          torch.float32, 512, 16, 64, model_config["vocab_size"])  # fmt: skip
+    frontend = Frontend(tiny_model, Tokenizer.from_dir(tiny_model))
+    ids = frontend.tokenizer.encode("never runs", False)
+
+    async def scenario() -> str:
+        client = AsyncEngineClient(SilentEngine(config), frontend, Metrics("m"), 4)
+        request = frontend.make_request("r", ids, SamplingParams(max_tokens=4))
+
+        async def wait() -> None:
+            async for _ in client.generate(request, client.reserve(1)):
+                pass
+
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client went away before the engine admitted it
+        await asyncio.gather(task, return_exceptions=True)
+        client.close()
+        return client.metrics.render().decode()
+
+    families = {f.name: f for f in text_string_to_metric_families(asyncio.run(scenario()))}
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        found = [s.value for s in families[family].samples
+                 if s.name == sample and labels.items() <= s.labels.items()]  # fmt: skip
+        return sum(found)
+
+    assert value("vllm:prompt_tokens", "vllm:prompt_tokens_total") == 0
+    assert value("vllm:request_success", "vllm:request_success_total", finished_reason="abort") == 1
+    assert value("vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == len(ids)

@@ -312,7 +312,8 @@ class AsyncEngineClient:
         if output.new_token_ids:
             first = request_id in self._waiting
             self._free_slot(request_id)
-            self.metrics.record_tokens(len(output.new_token_ids), first=first, latency=now - last)
+            self.metrics.record_tokens(len(output.new_token_ids), first=first, latency=now - last,
+                                       prompt_tokens=len(stream.prompt_token_ids))  # fmt: skip
             last = now
         delta = stream.process(output)
         if delta.abort_engine:

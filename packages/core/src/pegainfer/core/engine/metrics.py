@@ -171,10 +171,20 @@ class Metrics:
         for position, (count, was) in enumerate(zip(now.accepted_per_pos, before, strict=True)):
             self._spec_accepted_per_pos.labels(m, str(position)).inc(count - was)
 
-    def record_tokens(self, num_tokens: int, *, first: bool, latency: float) -> None:
-        """New output tokens; `latency` is since arrival (first) or the previous tokens."""
-        self._generation_tokens.labels(self._model).inc(num_tokens)
-        (self._ttft if first else self._itl).labels(self._model).observe(latency)
+    def record_tokens(
+        self, num_tokens: int, *, first: bool, latency: float, prompt_tokens: int = 0
+    ) -> None:
+        """New output tokens; `latency` is since arrival (first) or the previous tokens.
+
+        A sequence's first tokens also count its `prompt_tokens` as processed, as vLLM counts
+        them: once per sequence the engine ran (each of a request's `n` choices and each prompt
+        of a batch is one; a preempted one recomputed is not counted again), and never for one
+        that ended before its prompt ran. `usage.prompt_tokens` counts each prompt once."""
+        m = self._model
+        self._generation_tokens.labels(m).inc(num_tokens)
+        if first:
+            self._prompt_tokens.labels(m).inc(prompt_tokens)
+        (self._ttft if first else self._itl).labels(m).observe(latency)
 
     def record_request_params(self, n: int) -> None:
         """A new API request asking for `n` choices."""
@@ -192,7 +202,6 @@ class Metrics:
     ) -> None:
         """A request ended; `timing` is the engine's account of it, when it was scheduled."""
         m = self._model
-        self._prompt_tokens.labels(m).inc(prompt_tokens)
         self._success.labels(m, finish_reason).inc()
         self._e2e.labels(m).observe(e2e)
         self._request_prompt.labels(m).observe(prompt_tokens)
