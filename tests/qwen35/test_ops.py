@@ -114,10 +114,52 @@ def test_chunk_plan_breaks_at_checkpoints():
     from pegainfer.models.qwen35.kernels import ChunkPlan
 
     seq_chunks, starts, ends, snaps = ChunkPlan.host_lists(
-        [0, 150, 151, 281], [None, None, (66, 9)]
+        [(0, 150, None), (150, 151, None), (151, 281, (66, 9))]
     )
     assert seq_chunks == [0, 3, 4, 7]
     assert list(zip(starts, ends, snaps, strict=True)) == [
         (0, 64, -1), (64, 128, -1), (128, 150, -1), (150, 151, -1),
         (151, 215, -1), (215, 217, 9), (217, 281, -1),
     ]  # fmt: skip
+
+
+def test_conv_tiles_cut_each_sequence():
+    from pegainfer.models.qwen35.kernels import CONV_TILE, conv_tiles
+
+    assert CONV_TILE == 32
+    assert conv_tiles([0, 1, 71, 72, 104]) == ([0, 1, 1, 1, 2, 3], [0, 1, 33, 65, 71, 72])
+
+
+def test_mixed_step_plan_sends_decodes_to_the_recurrent_kernel():
+    """A mixed step's one-token sequences go to the recurrent kernel by row and slot; only
+    the longer chunks (and a one-token chunk checkpointed at its end) are planned in chunks;
+    the plan is built on the host and copied once, with no device round trip."""
+    from pegainfer.core.runner.forward_batch import ForwardBatch
+    from pegainfer.models.qwen35.model import DeltaNetStep
+
+    lengths, starts = [1, 90, 1, 1, 1], [10, 0, 33, 5, 60]
+    batch = ForwardBatch.build(
+        [[1] * n for n in lengths], starts, [list(range(8))] * 5, [True] * 5, 16,
+        torch.device("cpu"), state_slots=[3, 0, 5, 2, 4],
+        state_snapshot=[None, (64, 7), (0, 6), (1, 1), None],
+    )  # fmt: skip
+    step = DeltaNetStep.of(batch)
+    assert step.bounds.tolist() == [0, 1, 91, 92, 93, 94] and step.max_len == 90
+    # The decode checkpointed at offset 0 is checkpointed before the step: still a decode.
+    assert step.recurrent_rows.tolist() == [0, 91, 93]
+    assert step.recurrent_slots.tolist() == [3, 5, 4]
+    chunks = step.chunks
+    assert chunks.slots.tolist() == [0, 2] and chunks.seq_chunks.tolist() == [0, 2, 3]
+    assert chunks.start.tolist() == [1, 65, 92] and chunks.end.tolist() == [65, 91, 93]
+    assert chunks.snapshot.tolist() == [7, -1, 1]
+    assert [t.tolist() for t in step.conv_tiles] == [[0, 1, 1, 1, 2, 3, 4],
+                                                      [0, 1, 33, 65, 91, 92, 93]]  # fmt: skip
+    offsets, snap_slots = step.conv_snapshots
+    assert offsets.tolist() == [-1, 64, -1, 1, -1] and snap_slots.tolist() == [0, 7, 0, 1, 0]
+    # A decode step keeps the graph-friendly form: row i is sequence i, no tiles.
+    decode = ForwardBatch.build(
+        [[1], [2]], [4, 9], [[0], [1]], [True, True], 16, torch.device("cpu"), state_slots=[1, 0]
+    )
+    step = DeltaNetStep.of(decode)
+    assert step.recurrent_rows is None and step.recurrent_slots.tolist() == [1, 0]
+    assert step.chunks is None and step.conv_tiles is None

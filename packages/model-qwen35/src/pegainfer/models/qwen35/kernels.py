@@ -5,15 +5,19 @@ and `ops.chunked_gated_delta_rule`. Every kernel reads the layer's fused input p
 comes out of the GEMM (`[qkv | z | b | a]` per token, see `GatedDeltaNet`) and each sequence's
 state in place in its slot of the layer's state arena.
 
-- `causal_conv1d`: one program per (sequence, channel block) walks the sequence's tokens in
-  tiles, so it serves decode and prefill alike; it also leaves the conv window at a checkpoint.
-- `recurrent_gated_delta_rule`: decode (one token per sequence); captured in CUDA graphs.
+- `causal_conv1d`: one program per (tile of at most 32 rows of a sequence, channel block), so a
+  long prompt spreads over the GPU; a sequence's first tile also moves its conv window (and
+  leaves the window at a checkpoint).
+- `recurrent_gated_delta_rule`: one-token sequences (a decode step, captured in CUDA graphs,
+  and the decodes of a mixed step).
 - `gated_rms_norm`: the DeltaNet's output norm, gated by SiLU(z) (reference: `ops.gated_rms_norm`).
-- `chunked_gated_delta_rule`: any step with longer chunks. Two launches, as flash-linear-attention
-  splits it: first, independently per 64-token chunk and value head, the unit-triangular system
-  of the chunk is inverted by forward substitution and applied to the keys and values (`W`,
-  `U`); then one program per (sequence, value head, value block) carries the state across its
-  chunks, which is the only sequential part, and writes the outputs.
+- `chunked_gated_delta_rule`: longer chunks, by flash-linear-attention's chunk algorithm in three
+  launches: per 64-token chunk and value head, the chunk's unit-triangular system is inverted by
+  16-row blocks and applied to the keys and values (the WY factors `W`, `U`); one program per
+  (sequence, value head, value block) carries the state across its chunks, the only sequential
+  part; per chunk again, the outputs. Products run on bf16 tensor cores with float32
+  accumulation (`_mm`: exact for a bf16 model's q, k and v, 16-bit-mantissa pieces for float32
+  operands); the state, the inverse and every intermediate stay float32.
 
 The gates are computed inside the kernels from the projection's raw `a` and `b` columns:
 `g = -exp(A_log) softplus(a + dt_bias)` and `beta = sigmoid(b)` (rounded to the input dtype, as
@@ -56,10 +60,9 @@ def _gates(ab_row, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, mask):
     return tl.where(mask, g, 0.0), tl.where(mask, beta, 0.0)
 
 
-@triton.jit
-def _l2_normalize(x):
-    """Rows of x [N, D] (float32) over their last dimension, as `ops.l2_normalize`."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+#: Rows of one program of the conv over longer chunks: a step's sequences are cut into tiles of
+#: at most this many rows, which run in parallel.
+CONV_TILE = 32
 
 
 @triton.jit
@@ -70,6 +73,8 @@ def _causal_conv1d_kernel(
     out_ptr,
     slots_ptr,
     bounds_ptr,
+    tile_seq_ptr,
+    tile_row_ptr,
     snap_offset_ptr,
     snap_slot_ptr,
     channels,
@@ -78,54 +83,65 @@ def _causal_conv1d_kernel(
     stride_state_slot,
     BT: tl.constexpr,
     BC: tl.constexpr,
+    TILED: tl.constexpr,
+    SNAPSHOTS: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    """One tile of a sequence's rows (TILED: tile_seq/tile_row say whose and from which row;
+    else tile i is all of sequence i) and a block of channels. Only a sequence's first tile
+    reads the old window (the others start CONV_TILE rows in) and only it stores the new
+    window and the checkpoint's, so no program reads a window another has replaced."""
+    tile = tl.program_id(0)
+    seq = tl.load(tile_seq_ptr + tile) if TILED else tile
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < channels
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     start = tl.load(bounds_ptr + seq).to(tl.int64)
     n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - start
+    lo = tl.load(tile_row_ptr + tile).to(tl.int64) - start if TILED else start - start
+    first = cmask & (lo == 0)
     state = state_ptr + slot * stride_state_slot + cols * 3
-    # The window at a checkpoint inside the chunk and at its end, read before anything is stored:
-    # input j of the window ending at offset e is row e - 3 + j, or the old window before row 0.
-    snap = tl.load(snap_offset_ptr + seq)
-    snap_state = state_ptr + tl.load(snap_slot_ptr + seq).to(tl.int64) * stride_state_slot
+    # The window at a checkpoint inside the chunk and at its end: input j of the window ending
+    # at offset e is row e - 3 + j, or the old window before row 0.
+    if SNAPSHOTS:
+        snap = tl.load(snap_offset_ptr + seq)
+        snap_state = state_ptr + tl.load(snap_slot_ptr + seq).to(tl.int64) * stride_state_slot
+        keep = first & (snap >= 0)
     for j in tl.static_range(3):
         e = n - 3 + j
-        last = tl.load(x_ptr + (start + e) * stride_x + cols, mask=cmask & (e >= 0), other=0.0)
-        old = tl.load(state + n + j, mask=cmask & (e < 0), other=0.0)
-        if snap >= 0:
+        last = tl.load(x_ptr + (start + e) * stride_x + cols, mask=first & (e >= 0), other=0.0)
+        old = tl.load(state + n + j, mask=first & (e < 0), other=0.0)
+        if SNAPSHOTS:
             s = snap - 3 + j
-            at = tl.load(x_ptr + (start + s) * stride_x + cols, mask=cmask & (s >= 0), other=0.0)
-            before = tl.load(state + snap + j, mask=cmask & (s < 0), other=0.0)
-            tl.store(snap_state + cols * 3 + j, at.to(tl.float32) + before, mask=cmask)
+            at = tl.load(x_ptr + (start + s) * stride_x + cols, mask=keep & (s >= 0), other=0.0)
+            before = tl.load(state + snap + j, mask=keep & (s < 0), other=0.0)
+            tl.store(snap_state + cols * 3 + j, at.to(tl.float32) + before, mask=keep)
         if j == 0:
             w0 = last.to(tl.float32) + old
         elif j == 1:
             w1 = last.to(tl.float32) + old
         else:
             w2 = last.to(tl.float32) + old
-    for t0 in range(0, n, BT):
-        rows = t0 + tl.arange(0, BT)
-        rmask = rows < n
-        acc = tl.zeros((BT, BC), dtype=tl.float32)
-        for k in tl.static_range(4):
-            r = rows - (3 - k)  # the input row tap k reads; below 0 it is in the old window
-            m = rmask[:, None] & cmask[None, :]
-            from_x = tl.load(x_ptr + (start + r)[:, None] * stride_x + cols[None, :],
-                             mask=m & (r >= 0)[:, None], other=0.0)  # fmt: skip
-            from_state = tl.load(state[None, :] + (3 + r)[:, None], mask=m & (r < 0)[:, None],
-                                 other=0.0)  # fmt: skip
-            weight = tl.load(w_ptr + cols * 4 + k, mask=cmask, other=0.0).to(tl.float32)
-            acc += weight[None, :] * (from_x.to(tl.float32) + from_state)
-        # As transformers: the conv's output is rounded to the input dtype, then SiLU.
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + (start + rows)[:, None] * stride_out + cols[None, :],
-                 (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])  # fmt: skip
-    tl.store(state + 0, w0, mask=cmask)
-    tl.store(state + 1, w1, mask=cmask)
-    tl.store(state + 2, w2, mask=cmask)
+    rows = lo + tl.arange(0, BT)
+    rmask = rows < n
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for k in tl.static_range(4):
+        r = rows - (3 - k)  # the input row tap k reads; below 0 it is in the old window
+        m = rmask[:, None] & cmask[None, :]
+        from_x = tl.load(x_ptr + (start + r)[:, None] * stride_x + cols[None, :],
+                         mask=m & (r >= 0)[:, None], other=0.0)  # fmt: skip
+        from_state = tl.load(state[None, :] + (3 + r)[:, None], mask=m & (r < 0)[:, None],
+                             other=0.0)  # fmt: skip
+        weight = tl.load(w_ptr + cols * 4 + k, mask=cmask, other=0.0).to(tl.float32)
+        acc += weight[None, :] * (from_x.to(tl.float32) + from_state)
+    # As transformers: the conv's output is rounded to the input dtype, then SiLU.
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + (start + rows)[:, None] * stride_out + cols[None, :],
+             (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])  # fmt: skip
+    tl.debug_barrier()  # every thread has read the old window before it is replaced
+    tl.store(state + 0, w0, mask=first)
+    tl.store(state + 1, w1, mask=first)
+    tl.store(state + 2, w2, mask=first)
 
 
 def causal_conv1d(
@@ -134,28 +150,42 @@ def causal_conv1d(
     states: torch.Tensor,
     slots: torch.Tensor,
     bounds: torch.Tensor,
+    max_len: int,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     snapshots: tuple[torch.Tensor, torch.Tensor] | None = None,
-    max_len: int = 64,
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of every sequence's rows of x [T, C] (sequence i owns rows
     bounds[i]:bounds[i+1]), continuing from states[slots[i]] [C, 3] and leaving its last three
-    inputs there. weight [C, 1, 4] (or [C, 4]); states float32. `snapshots` (offsets, slots),
-    per sequence: also store the window after `offset` rows into that slot (offset -1: none).
-    `max_len` (the longest sequence's rows) only picks the tile height."""
+    inputs there. weight [C, 1, 4] (or [C, 4]); states float32. `max_len` is the longest
+    sequence's rows; beyond one, `tiles` (each tile's sequence and first row, from
+    `conv_tiles`) cuts them into tiles of at most CONV_TILE rows. `snapshots` (offsets,
+    slots), per sequence: also store the window after `offset` rows into that slot (offset
+    -1: none)."""
     assert weight.shape[-1] == 4 and states.dtype == torch.float32 and x.stride(1) == 1
+    assert tiles is not None or max_len == 1, "chunks longer than a token need conv tiles"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_seqs = slots.shape[0]
-    if snapshots is None:
-        none = torch.full((num_seqs,), -1, dtype=torch.int32, device=x.device)
-        snapshots = (none, slots)
+    tile_seq, tile_row = tiles if tiles is not None else (slots, slots)
+    snap_offset, snap_slot = snapshots if snapshots is not None else (slots, slots)
     block_c = 128 if max_len > 1 else 256
-    grid = (num_seqs, triton.cdiv(x.shape[1], block_c))
+    grid = (tile_seq.shape[0], triton.cdiv(x.shape[1], block_c))
     _causal_conv1d_kernel[grid](
-        x, weight.reshape(weight.shape[0], 4), states, out, slots, bounds, snapshots[0],
-        snapshots[1], x.shape[1], x.stride(0), out.stride(0), states.stride(0),
-        BT=min(32, triton.next_power_of_2(max_len)), BC=block_c,
+        x, weight.reshape(weight.shape[0], 4), states, out, slots, bounds, tile_seq, tile_row,
+        snap_offset, snap_slot, x.shape[1], x.stride(0), out.stride(0), states.stride(0),
+        BT=min(CONV_TILE, triton.next_power_of_2(max_len)), BC=block_c,
+        TILED=tiles is not None, SNAPSHOTS=snapshots is not None,
     )  # fmt: skip
     return out
+
+
+def conv_tiles(bounds: list[int]) -> tuple[list[int], list[int]]:
+    """The conv's tiles over sequences of rows bounds[i]:bounds[i+1]: each tile's sequence and
+    first row."""
+    seqs, rows = [], []
+    for i in range(len(bounds) - 1):
+        starts = range(bounds[i], bounds[i + 1], CONV_TILE)
+        seqs.extend([i] * len(starts))
+        rows.extend(starts)
+    return seqs, rows
 
 
 @triton.jit
@@ -167,6 +197,7 @@ def _recurrent_kernel(
     out_ptr,
     state_ptr,
     slots_ptr,
+    rows_ptr,
     stride_qkv,
     stride_ab,
     a_col,
@@ -179,13 +210,15 @@ def _recurrent_kernel(
     DK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
-    t = tl.program_id(0)  # one token per sequence: row t is sequence t
+    seq = tl.program_id(0)  # one token per sequence: row rows[seq], or row seq
+    t = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
     hv = tl.program_id(1)
     hk = hv // GROUP
     ks = tl.arange(0, DK)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
     state = state_ptr + slot * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
     s = tl.load(state)  # [DK, BV] float32
     row = qkv_ptr + t * stride_qkv
@@ -211,50 +244,29 @@ def recurrent_gated_delta_rule(
     states: torch.Tensor,
     slots: torch.Tensor,
     shape: DeltaNetShape,
+    rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One delta-rule step for each sequence of a decode batch (row i is sequence i).
+    """One delta-rule step for each of a batch of one-token sequences.
 
-    qkv [S, C] is the conv's output ([q | k | v]); proj [S, *] the layer's input projection,
-    whose last 2·Hv columns are b then a; states [slots, Hv, dk, dv] float32, updated in place.
-    Returns o [S, Hv, dv] in qkv's dtype.
+    Sequence i feeds row rows[i] (default: row i) and keeps its state in slots[i]. qkv [T, C]
+    is the conv's output ([q | k | v]); proj [T, *] the layer's input projection, whose last
+    2·Hv columns are b then a; states [slots, Hv, dk, dv] float32, updated in place. Writes
+    those rows of `out` [T, Hv, dv] (allocated in qkv's dtype when None) and returns it.
     """
     heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
     assert states.shape[1:] == (heads, dk, dv) and qkv.stride(1) == 1 and proj.stride(1) == 1
-    out = torch.empty(qkv.shape[0], heads, dv, dtype=qkv.dtype, device=qkv.device)
+    if out is None:
+        out = torch.empty(qkv.shape[0], heads, dv, dtype=qkv.dtype, device=qkv.device)
     bv = min(dv, 32)
-    grid = (qkv.shape[0], heads, dv // bv)
+    grid = (slots.shape[0], heads, dv // bv)
     _recurrent_kernel[grid](
-        qkv, proj, a_log, dt_bias, out, states, slots, qkv.stride(0), proj.stride(0),
-        proj.shape[1] - heads, proj.shape[1] - 2 * heads, out.stride(0), states.stride(0),
-        dk**-0.5, KEY_DIM=shape.num_key_heads * dk, GROUP=heads // shape.num_key_heads, DK=dk,
-        DV=dv, BV=bv,
+        qkv, proj, a_log, dt_bias, out, states, slots, slots if rows is None else rows,
+        qkv.stride(0), proj.stride(0), proj.shape[1] - heads, proj.shape[1] - 2 * heads,
+        out.stride(0), states.stride(0), dk**-0.5, KEY_DIM=shape.num_key_heads * dk,
+        GROUP=heads // shape.num_key_heads, DK=dk, DV=dv, BV=bv, HAS_ROWS=rows is not None,
     )  # fmt: skip
     return out
-
-
-@triton.jit
-def _dot(a, b):
-    """Float32 products on tensor cores in three TF32 passes (float32 accuracy): with one
-    pass (10-bit mantissa) the 4B golden gate's p99 drifted past its tolerance."""
-    return tl.dot(a, b, input_precision="tf32x3")
-
-
-@triton.jit
-def _sub_block(
-    qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, offset, hk, hv, stride_qkv, stride_ab,
-    a_col, b_col, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
-):  # fmt: skip
-    """Rows offset..offset+BC of a chunk: normalised q and k, v, the gates."""
-    rows = start + offset + tl.arange(0, BC)
-    mask = rows < end
-    ks, vs = tl.arange(0, DK), tl.arange(0, DV)
-    base = qkv_ptr + rows[:, None] * stride_qkv + hk * DK + ks[None, :]
-    q = _l2_normalize(tl.load(base, mask=mask[:, None], other=0.0).to(tl.float32))
-    k = _l2_normalize(tl.load(base + KEY_DIM, mask=mask[:, None], other=0.0).to(tl.float32))
-    v = tl.load(qkv_ptr + rows[:, None] * stride_qkv + 2 * KEY_DIM + hv * DV + vs[None, :],
-                mask=mask[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    g, beta = _gates(ab_ptr + rows * stride_ab, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, mask)
-    return rows, mask, q, k, v, g, beta
 
 
 @triton.jit
@@ -281,11 +293,84 @@ def _decayed(x, c_rows, c_cols, causal_diagonal: tl.constexpr, BC: tl.constexpr)
         keep = i >= j
     else:  # an off-diagonal block: every row comes after every column
         keep = i >= 0
-    return tl.where(keep, x * tl.exp(tl.where(keep, c_rows[:, None] - c_cols[None, :], 0.0)), 0.0)
+    # c never rises along a sequence (g <= 0): the cap only keeps rows past a chunk's end,
+    # whose c is not the sequence's, from overflowing.
+    gap = tl.minimum(tl.where(keep, c_rows[:, None] - c_cols[None, :], 0.0), 0.0)
+    return tl.where(keep, x * tl.exp(gap), 0.0)
 
 
 @triton.jit
-def _chunk_prepare_kernel(
+def _split(x):
+    """x (float32) as hi + lo, two bf16 tiles: hi holds its first 8 significant bits, lo the
+    next 8."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _mm(a, b, SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr):
+    """a @ b on bf16 tensor cores, accumulated in float32.
+
+    An operand whose values bf16 holds exactly (the raw q, k and v of a bf16 model, SPLIT
+    False) goes in as one bf16 tile and costs no accuracy: its products with the other
+    operand's bf16 pieces are exact, and only the float32 accumulation rounds. A float32
+    operand (SPLIT True) goes in as hi + lo, so it keeps 16 bits of mantissa rather than
+    bf16's 8 (relative error ~2^-17, against TF32's 2^-11); the lo x lo product, ~2^-16 of
+    the whole, is left out."""
+    if SPLIT_A:
+        a_hi, a_lo = _split(a.to(tl.float32))
+    else:
+        a_hi = a.to(tl.bfloat16)
+    if SPLIT_B:
+        b_hi, b_lo = _split(b.to(tl.float32))
+    else:
+        b_hi = b.to(tl.bfloat16)
+    acc = tl.dot(a_hi, b_hi)
+    if SPLIT_A:
+        acc = tl.dot(a_lo, b_hi, acc)
+    if SPLIT_B:
+        acc = tl.dot(a_hi, b_lo, acc)
+    return acc
+
+
+@triton.jit
+def _fdot(a, b):
+    """A float32 product of two small tiles of the chunk's triangular inverse, in plain FMAs:
+    the inverse is where the chunked form is least well conditioned."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _key_block(
+    qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, offset, hk, hv, stride_qkv, stride_ab,
+    a_col, b_col, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Rows offset..offset+BC of a chunk: raw k and v (the input dtype), k's inverse norm,
+    the gates."""
+    rows = start + offset + tl.arange(0, BC)
+    mask = rows < end
+    ks, vs = tl.arange(0, DK), tl.arange(0, DV)
+    k = tl.load(qkv_ptr + rows[:, None] * stride_qkv + KEY_DIM + hk * DK + ks[None, :],
+                mask=mask[:, None], other=0.0)  # fmt: skip
+    v = tl.load(qkv_ptr + rows[:, None] * stride_qkv + 2 * KEY_DIM + hv * DV + vs[None, :],
+                mask=mask[:, None], other=0.0)  # fmt: skip
+    kf = k.to(tl.float32)
+    rk = tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+    g, beta = _gates(ab_ptr + rows * stride_ab, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, mask)
+    return rows, mask, k, v, rk, g, beta
+
+
+@triton.jit
+def _system_block(ki, kj, scale_i, scale_j, ci, cj, DIAG: tl.constexpr, SPLIT: tl.constexpr,
+                  BC: tl.constexpr):  # fmt: skip
+    """Block (i, j) of the chunk's system A[t, s] = beta_t exp(c_t - c_s) k_t.k_s (k
+    normalised: the norms come in as the row and column scales)."""
+    kk = _mm(ki, tl.trans(kj), SPLIT, SPLIT) * scale_i[:, None] * scale_j[None, :]
+    return _decayed(kk, ci, cj, DIAG, BC)
+
+
+@triton.jit
+def _chunk_intra_kernel(
     qkv_ptr,
     ab_ptr,
     a_log_ptr,
@@ -295,45 +380,43 @@ def _chunk_prepare_kernel(
     w_ptr,
     u_ptr,
     c_ptr,
-    aqk_ptr,
     stride_qkv,
     stride_ab,
     a_col,
     b_col,
-    scale,
     HV: tl.constexpr,
     KEY_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Per (chunk, value head), with the 64-token chunk as four blocks of BC=16 rows:
-    A[i, j] = beta_i exp(c_i - c_j) k_i.k_j (strictly lower), T = (I + A)^-1 blockwise (each
-    diagonal block by substitution, the blocks below it from those), W = T (beta exp(c) K),
-    U = T (beta V), and the chunk's causal decayed q.k matrix; all stored for the scan."""
+    """Per (chunk, value head), the chunk as four blocks of BC=16 rows: the cumulative
+    log-decay c, the system A (strictly lower), T = (I + A)^-1 by blocks in float32 (each
+    diagonal block by substitution, those below from them), and the WY factors
+    W = T diag(beta exp(c)) K and U = T diag(beta) V that the state kernel consumes."""
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
     start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
     end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
-    r0, m0, q0, k0, v0, g0, b0 = _sub_block(
-        qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, 0, hk, hv, stride_qkv,
-        stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC,
+    r0, m0, k0, v0, n0, g0, b0 = _key_block(
+        qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, 0, hk, hv, stride_qkv, stride_ab,
+        a_col, b_col, KEY_DIM, DK, DV, BC,
     )  # fmt: skip
-    r1, m1, q1, k1, v1, g1, b1 = _sub_block(
+    r1, m1, k1, v1, n1, g1, b1 = _key_block(
         qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, BC, hk, hv, stride_qkv,
         stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC,
     )  # fmt: skip
-    r2, m2, q2, k2, v2, g2, b2 = _sub_block(
+    r2, m2, k2, v2, n2, g2, b2 = _key_block(
         qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, 2 * BC, hk, hv, stride_qkv,
         stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC,
     )  # fmt: skip
-    r3, m3, q3, k3, v3, g3, b3 = _sub_block(
+    r3, m3, k3, v3, n3, g3, b3 = _key_block(
         qkv_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, start, end, 3 * BC, hk, hv, stride_qkv,
         stride_ab, a_col, b_col, KEY_DIM, DK, DV, BC,
     )  # fmt: skip
-    # Cumulative log-decay across the chunk.
     c0 = tl.cumsum(g0, axis=0)
     c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
     c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
@@ -342,79 +425,71 @@ def _chunk_prepare_kernel(
     tl.store(c_ptr + r1 * HV + hv, c1, mask=m1)
     tl.store(c_ptr + r2 * HV + hv, c2, mask=m2)
     tl.store(c_ptr + r3 * HV + hv, c3, mask=m3)
-    # The causal decayed q.k matrix, block by block (zero above the diagonal).
-    ii = tl.arange(0, BC)[:, None]
-    jj = tl.arange(0, BC)[None, :]
-    aqk = aqk_ptr + (chunk * HV + hv) * (16 * BC * BC) + ii * (4 * BC) + jj
-    q0, q1, q2, q3 = q0 * scale, q1 * scale, q2 * scale, q3 * scale
-    zero = tl.zeros((BC, BC), dtype=tl.float32)
-    tl.store(aqk, _decayed(_dot(q0, tl.trans(k0)), c0, c0, 2, BC))
-    tl.store(aqk + BC, zero)
-    tl.store(aqk + 2 * BC, zero)
-    tl.store(aqk + 3 * BC, zero)
-    row1 = aqk + BC * 4 * BC
-    tl.store(row1, _decayed(_dot(q1, tl.trans(k0)), c1, c0, 0, BC))
-    tl.store(row1 + BC, _decayed(_dot(q1, tl.trans(k1)), c1, c1, 2, BC))
-    tl.store(row1 + 2 * BC, zero)
-    tl.store(row1 + 3 * BC, zero)
-    row2 = row1 + BC * 4 * BC
-    tl.store(row2, _decayed(_dot(q2, tl.trans(k0)), c2, c0, 0, BC))
-    tl.store(row2 + BC, _decayed(_dot(q2, tl.trans(k1)), c2, c1, 0, BC))
-    tl.store(row2 + 2 * BC, _decayed(_dot(q2, tl.trans(k2)), c2, c2, 2, BC))
-    tl.store(row2 + 3 * BC, zero)
-    row3 = row2 + BC * 4 * BC
-    tl.store(row3, _decayed(_dot(q3, tl.trans(k0)), c3, c0, 0, BC))
-    tl.store(row3 + BC, _decayed(_dot(q3, tl.trans(k1)), c3, c1, 0, BC))
-    tl.store(row3 + 2 * BC, _decayed(_dot(q3, tl.trans(k2)), c3, c2, 0, BC))
-    tl.store(row3 + 3 * BC, _decayed(_dot(q3, tl.trans(k3)), c3, c3, 2, BC))
-    # A by blocks (row scale beta), then T = (I + A)^-1 by blocks.
-    a10 = b1[:, None] * _decayed(_dot(k1, tl.trans(k0)), c1, c0, 0, BC)
-    a20 = b2[:, None] * _decayed(_dot(k2, tl.trans(k0)), c2, c0, 0, BC)
-    a21 = b2[:, None] * _decayed(_dot(k2, tl.trans(k1)), c2, c1, 0, BC)
-    a30 = b3[:, None] * _decayed(_dot(k3, tl.trans(k0)), c3, c0, 0, BC)
-    a31 = b3[:, None] * _decayed(_dot(k3, tl.trans(k1)), c3, c1, 0, BC)
-    a32 = b3[:, None] * _decayed(_dot(k3, tl.trans(k2)), c3, c2, 0, BC)
-    t00 = _inverse_unit_lower(b0[:, None] * _decayed(_dot(k0, tl.trans(k0)), c0, c0, 1, BC), BC)
-    t11 = _inverse_unit_lower(b1[:, None] * _decayed(_dot(k1, tl.trans(k1)), c1, c1, 1, BC), BC)
-    t22 = _inverse_unit_lower(b2[:, None] * _decayed(_dot(k2, tl.trans(k2)), c2, c2, 1, BC), BC)
-    t33 = _inverse_unit_lower(b3[:, None] * _decayed(_dot(k3, tl.trans(k3)), c3, c3, 1, BC), BC)
-    t10 = -_dot(t11, _dot(a10, t00))
-    t21 = -_dot(t22, _dot(a21, t11))
-    t20 = -_dot(t22, _dot(a20, t00) + _dot(a21, t10))
-    t32 = -_dot(t33, _dot(a32, t22))
-    t31 = -_dot(t33, _dot(a31, t11) + _dot(a32, t21))
-    t30 = -_dot(t33, _dot(a30, t00) + _dot(a31, t10) + _dot(a32, t20))
-    # W = T (beta exp(c) K) and U = T (beta V), block row by block row.
-    kb0, kb1 = k0 * (b0 * tl.exp(c0))[:, None], k1 * (b1 * tl.exp(c1))[:, None]
-    kb2, kb3 = k2 * (b2 * tl.exp(c2))[:, None], k3 * (b3 * tl.exp(c3))[:, None]
-    vb0, vb1, vb2, vb3 = v0 * b0[:, None], v1 * b1[:, None], v2 * b2[:, None], v3 * b3[:, None]
+    # The system by blocks: row scale beta_t / |k_t|, column scale 1 / |k_s|.
+    s0, s1, s2, s3 = b0 * n0, b1 * n1, b2 * n2, b3 * n3
+    t00 = _inverse_unit_lower(_system_block(k0, k0, s0, n0, c0, c0, 1, SPLIT, BC), BC)
+    t11 = _inverse_unit_lower(_system_block(k1, k1, s1, n1, c1, c1, 1, SPLIT, BC), BC)
+    t22 = _inverse_unit_lower(_system_block(k2, k2, s2, n2, c2, c2, 1, SPLIT, BC), BC)
+    t33 = _inverse_unit_lower(_system_block(k3, k3, s3, n3, c3, c3, 1, SPLIT, BC), BC)
+    a10 = _system_block(k1, k0, s1, n0, c1, c0, 0, SPLIT, BC)
+    a20 = _system_block(k2, k0, s2, n0, c2, c0, 0, SPLIT, BC)
+    a21 = _system_block(k2, k1, s2, n1, c2, c1, 0, SPLIT, BC)
+    a30 = _system_block(k3, k0, s3, n0, c3, c0, 0, SPLIT, BC)
+    a31 = _system_block(k3, k1, s3, n1, c3, c1, 0, SPLIT, BC)
+    a32 = _system_block(k3, k2, s3, n2, c3, c2, 0, SPLIT, BC)
+    t10 = -_fdot(t11, _fdot(a10, t00))
+    t21 = -_fdot(t22, _fdot(a21, t11))
+    t20 = -_fdot(t22, _fdot(a20, t00) + _fdot(a21, t10))
+    t32 = -_fdot(t33, _fdot(a32, t22))
+    t31 = -_fdot(t33, _fdot(a31, t11) + _fdot(a32, t21))
+    t30 = -_fdot(t33, _fdot(a30, t00) + _fdot(a31, t10) + _fdot(a32, t20))
+    # W = T diag(beta exp(c) / |k|) K and U = T diag(beta) V: the column scales go into T's
+    # columns, so K and V enter the products raw.
+    w0, w1 = b0 * tl.exp(c0) * n0, b1 * tl.exp(c1) * n1
+    w2, w3 = b2 * tl.exp(c2) * n2, b3 * tl.exp(c3) * n3
     ks, vs = tl.arange(0, DK), tl.arange(0, DV)
     w_at = w_ptr + hv * DK + ks[None, :]
     u_at = u_ptr + hv * DV + vs[None, :]
-    tl.store(w_at + (r0 * HV * DK)[:, None], _dot(t00, kb0), mask=m0[:, None])
-    tl.store(u_at + (r0 * HV * DV)[:, None], _dot(t00, vb0), mask=m0[:, None])
-    tl.store(w_at + (r1 * HV * DK)[:, None], _dot(t10, kb0) + _dot(t11, kb1),
-             mask=m1[:, None])  # fmt: skip
-    tl.store(u_at + (r1 * HV * DV)[:, None], _dot(t10, vb0) + _dot(t11, vb1),
-             mask=m1[:, None])  # fmt: skip
-    w2 = _dot(t20, kb0) + _dot(t21, kb1) + _dot(t22, kb2)
-    tl.store(w_at + (r2 * HV * DK)[:, None], w2, mask=m2[:, None])
-    u2 = _dot(t20, vb0) + _dot(t21, vb1) + _dot(t22, vb2)
-    tl.store(u_at + (r2 * HV * DV)[:, None], u2, mask=m2[:, None])
-    w3 = _dot(t30, kb0) + _dot(t31, kb1) + _dot(t32, kb2) + _dot(t33, kb3)
-    tl.store(w_at + (r3 * HV * DK)[:, None], w3, mask=m3[:, None])
-    u3 = _dot(t30, vb0) + _dot(t31, vb1) + _dot(t32, vb2) + _dot(t33, vb3)
-    tl.store(u_at + (r3 * HV * DV)[:, None], u3, mask=m3[:, None])
+    tl.store(w_at + (r0 * HV * DK)[:, None], _mm(t00 * w0[None, :], k0, True, SPLIT),
+             mask=m0[:, None])  # fmt: skip
+    tl.store(u_at + (r0 * HV * DV)[:, None], _mm(t00 * b0[None, :], v0, True, SPLIT),
+             mask=m0[:, None])  # fmt: skip
+    w = _mm(t10 * w0[None, :], k0, True, SPLIT) + _mm(t11 * w1[None, :], k1, True, SPLIT)
+    tl.store(w_at + (r1 * HV * DK)[:, None], w, mask=m1[:, None])
+    u = _mm(t10 * b0[None, :], v0, True, SPLIT) + _mm(t11 * b1[None, :], v1, True, SPLIT)
+    tl.store(u_at + (r1 * HV * DV)[:, None], u, mask=m1[:, None])
+    w = _mm(t20 * w0[None, :], k0, True, SPLIT) + _mm(t21 * w1[None, :], k1, True, SPLIT)
+    w += _mm(t22 * w2[None, :], k2, True, SPLIT)
+    tl.store(w_at + (r2 * HV * DK)[:, None], w, mask=m2[:, None])
+    u = _mm(t20 * b0[None, :], v0, True, SPLIT) + _mm(t21 * b1[None, :], v1, True, SPLIT)
+    u += _mm(t22 * b2[None, :], v2, True, SPLIT)
+    tl.store(u_at + (r2 * HV * DV)[:, None], u, mask=m2[:, None])
+    w = _mm(t30 * w0[None, :], k0, True, SPLIT) + _mm(t31 * w1[None, :], k1, True, SPLIT)
+    w += _mm(t32 * w2[None, :], k2, True, SPLIT) + _mm(t33 * w3[None, :], k3, True, SPLIT)
+    tl.store(w_at + (r3 * HV * DK)[:, None], w, mask=m3[:, None])
+    u = _mm(t30 * b0[None, :], v0, True, SPLIT) + _mm(t31 * b1[None, :], v1, True, SPLIT)
+    u += _mm(t32 * b2[None, :], v2, True, SPLIT) + _mm(t33 * b3[None, :], v3, True, SPLIT)
+    tl.store(u_at + (r3 * HV * DV)[:, None], u, mask=m3[:, None])
 
 
 @triton.jit
-def _chunk_scan_kernel(
+def _chunk_keys(qkv_ptr, rows, rmask, stride_qkv, col, DK: tl.constexpr):
+    """Raw rows of one key (or query) head, and their inverse norms."""
+    ks = tl.arange(0, DK)
+    x = tl.load(qkv_ptr + rows[:, None] * stride_qkv + col + ks[None, :], mask=rmask[:, None],
+                other=0.0)  # fmt: skip
+    xf = x.to(tl.float32)
+    return x, tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
+
+
+@triton.jit
+def _chunk_state_kernel(
     qkv_ptr,
     w_ptr,
     u_ptr,
     c_ptr,
-    aqk_ptr,
-    out_ptr,
+    h_ptr,
+    v_new_ptr,
     state_ptr,
     slots_ptr,
     seq_chunks_ptr,
@@ -422,9 +497,7 @@ def _chunk_scan_kernel(
     chunk_end_ptr,
     chunk_snapshot_ptr,
     stride_qkv,
-    stride_out,
     stride_state_slot,
-    scale,
     HV: tl.constexpr,
     KEY_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -432,10 +505,12 @@ def _chunk_scan_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     BT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Per (sequence, value head, value block): the state across the sequence's chunks. With
-    u = U - W S, the chunk's outputs are exp(c) (q S) + Aqk u and it leaves
-    S' = exp(c_last) S + (K exp(c_last - c))^T u."""
+    """Per (sequence, value head, value block), the only sequential part: the state across
+    the sequence's chunks. For each chunk it keeps the incoming state S (h, for the output
+    kernel) and the updates given it, v_new = U - W S; the chunk leaves
+    S' = exp(c_last) S + (K exp(c_last - c))^T v_new."""
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
@@ -450,35 +525,82 @@ def _chunk_scan_kernel(
         end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
         rows = start + ts
         rmask = rows < end
-        base = qkv_ptr + rows[:, None] * stride_qkv + hk * DK + ks[None, :]
-        q = _l2_normalize(tl.load(base, mask=rmask[:, None], other=0.0).to(tl.float32)) * scale
-        k = _l2_normalize(tl.load(base + KEY_DIM, mask=rmask[:, None], other=0.0).to(tl.float32))
+        h_at = (chunk * HV + hv).to(tl.int64) * DK * DV + ks[:, None] * DV + vs[None, :]
+        tl.store(h_ptr + h_at, s)
+        k, nk = _chunk_keys(qkv_ptr, rows, rmask, stride_qkv, KEY_DIM + hk * DK, DK)
         c = tl.load(c_ptr + rows * HV + hv, mask=rmask, other=0.0)
         c_last = tl.sum(tl.where(rows == end - 1, c, 0.0), axis=0)
         w_rows = (rows * HV + hv)[:, None]
         w = tl.load(w_ptr + w_rows * DK + ks[None, :], mask=rmask[:, None], other=0.0)
         u = tl.load(u_ptr + w_rows * DV + vs[None, :], mask=rmask[:, None], other=0.0)
-        aqk = tl.load(aqk_ptr + (chunk * HV + hv) * BT * BT + ts[:, None] * BT + ts[None, :])
-        u = u - _dot(w, s)  # the chunk's updates given the state
-        o = tl.exp(c)[:, None] * _dot(q, s) + _dot(aqk, u)
-        tl.store(out_ptr + rows[:, None] * stride_out + hv * DV + vs[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])  # fmt: skip
-        k_tail = k * tl.where(rmask, tl.exp(c_last - c), 0.0)[:, None]
-        s = tl.exp(c_last) * s + _dot(tl.trans(k_tail), u)
+        v_new = u - _mm(w, s, True, True)
+        tl.store(v_new_ptr + w_rows * DV + vs[None, :], v_new, mask=rmask[:, None])
+        tail = v_new * tl.where(rmask, nk * tl.exp(c_last - c), 0.0)[:, None]
+        s = tl.exp(c_last) * s + _mm(tl.trans(k), tail, SPLIT, True)
         snapshot = tl.load(chunk_snapshot_ptr + chunk)
         if snapshot >= 0:  # a checkpoint after this chunk
             tl.store(state_ptr + snapshot.to(tl.int64) * stride_state_slot + offsets, s)
     tl.store(state_ptr + slot * stride_state_slot + offsets, s)
 
 
+@triton.jit
+def _chunk_output_kernel(
+    qkv_ptr,
+    c_ptr,
+    h_ptr,
+    v_new_ptr,
+    out_ptr,
+    chunk_start_ptr,
+    chunk_end_ptr,
+    stride_qkv,
+    stride_out,
+    scale,
+    HV: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Per (chunk, value head, value block), independently: the chunk's outputs
+    o = exp(c) (q S) + (causal exp(c_t - c_s) q_t.k_s) v_new, S the state it starts from."""
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    ks = tl.arange(0, DK)
+    vs = tl.program_id(2) * BV + tl.arange(0, BV)
+    ts = tl.arange(0, BT)
+    start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
+    end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
+    rows = start + ts
+    rmask = rows < end
+    q, nq = _chunk_keys(qkv_ptr, rows, rmask, stride_qkv, hk * DK, DK)
+    k, nk = _chunk_keys(qkv_ptr, rows, rmask, stride_qkv, KEY_DIM + hk * DK, DK)
+    c = tl.load(c_ptr + rows * HV + hv, mask=rmask, other=0.0)
+    s = tl.load(h_ptr + (chunk * HV + hv).to(tl.int64) * DK * DV + ks[:, None] * DV + vs[None, :])
+    v_new = tl.load(v_new_ptr + (rows * HV + hv)[:, None] * DV + vs[None, :],
+                    mask=rmask[:, None], other=0.0)  # fmt: skip
+    nq = nq * scale
+    qk = _mm(q, tl.trans(k), SPLIT, SPLIT) * nq[:, None] * nk[None, :]
+    o = (nq * tl.exp(c))[:, None] * _mm(q, s, SPLIT, True)
+    o += _mm(_decayed(qk, c, c, 2, BT), v_new, True, True)
+    tl.store(out_ptr + rows[:, None] * stride_out + hv * DV + vs[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
-    """A step's sequences cut into chunks of at most CHUNK tokens (int32, on the device).
+    """The sequences of a step that run the chunked rule, cut into chunks of at most CHUNK
+    tokens (int32, on the device).
 
-    Sequence i owns chunks seq_chunks[i]:seq_chunks[i+1], chunk n covers token rows
-    start[n]:end[n], and snapshot[n] is the slot that takes the state after chunk n, or -1.
+    Sequence i of the plan keeps its state in slots[i] and owns chunks
+    seq_chunks[i]:seq_chunks[i+1]; chunk n covers token rows start[n]:end[n], and snapshot[n]
+    is the slot that takes the state after chunk n, or -1.
     """
 
+    slots: torch.Tensor
     seq_chunks: torch.Tensor
     start: torch.Tensor
     end: torch.Tensor
@@ -490,12 +612,13 @@ class ChunkPlan:
 
     @staticmethod
     def host_lists(
-        bounds: list[int], snapshots: list[tuple[int, int] | None]
+        pieces: list[tuple[int, int, tuple[int, int] | None]],
     ) -> tuple[list[int], list[int], list[int], list[int]]:
-        """The plan's four lists: chunks break every CHUNK tokens and at each checkpoint."""
+        """seq_chunks, start, end and snapshot for sequences of rows lo:hi, each with its
+        checkpoint (offset into its rows, slot) or None: chunks break every CHUNK tokens and at
+        each checkpoint."""
         seq_chunks, starts, ends, snaps = [0], [], [], []
-        for i, snap in enumerate(snapshots):
-            lo, hi = bounds[i], bounds[i + 1]
+        for lo, hi, snap in pieces:
             cut = lo + snap[0] if snap is not None and snap[0] > 0 else None
             for piece_lo, piece_hi in ((lo, cut), (cut, hi)) if cut is not None else ((lo, hi),):
                 for s in range(piece_lo, piece_hi, CHUNK):
@@ -514,38 +637,49 @@ def chunked_gated_delta_rule(
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     states: torch.Tensor,
-    slots: torch.Tensor,
     plan: ChunkPlan,
     shape: DeltaNetShape,
-) -> torch.Tensor:
-    """The delta rule over every sequence's chunks, from and into its state slot.
+    out: torch.Tensor,
+) -> None:
+    """The delta rule over the plan's sequences, chunk by chunk, from and into their state
+    slots; writes their rows of out [T, Hv, dv] (other rows are left alone).
 
-    Arguments as `recurrent_gated_delta_rule`, with rows grouped by sequence as `plan` says.
-    Returns o [T, Hv, dv] in qkv's dtype.
+    qkv [T, C] and proj as `recurrent_gated_delta_rule`. Three launches, as
+    flash-linear-attention splits the work: the WY factors of every chunk (independent),
+    the state across each sequence's chunks (sequential), the outputs of every chunk
+    (independent). The products run on bf16 tensor cores in float32 accumulation (`_mm`):
+    a bf16 model's q, k and v enter them exactly, float32 operands as hi + lo pieces; the
+    state and every intermediate stay float32.
     """
     heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
     assert states.shape[1:] == (heads, dk, dv) and qkv.stride(1) == 1 and proj.stride(1) == 1
-    tokens, device = qkv.shape[0], qkv.device
+    assert out.shape == (qkv.shape[0], heads, dv) and out.is_contiguous()
+    tokens, device, chunks = qkv.shape[0], qkv.device, plan.num_chunks
     w = torch.empty(tokens, heads, dk, dtype=torch.float32, device=device)
     u = torch.empty(tokens, heads, dv, dtype=torch.float32, device=device)
+    v_new = torch.empty(tokens, heads, dv, dtype=torch.float32, device=device)
     c = torch.empty(tokens, heads, dtype=torch.float32, device=device)
-    aqk = torch.empty(plan.num_chunks, heads, CHUNK, CHUNK, dtype=torch.float32, device=device)
-    out = torch.empty(tokens, heads, dv, dtype=qkv.dtype, device=device)
+    h = torch.empty(chunks, heads, dk, dv, dtype=torch.float32, device=device)
     key_dim, group = shape.num_key_heads * dk, heads // shape.num_key_heads
     a_col, b_col = proj.shape[1] - heads, proj.shape[1] - 2 * heads
-    _chunk_prepare_kernel[(plan.num_chunks, heads)](
-        qkv, proj, a_log, dt_bias, plan.start, plan.end, w, u, c, aqk, qkv.stride(0),
-        proj.stride(0), a_col, b_col, dk**-0.5, HV=heads, KEY_DIM=key_dim, GROUP=group, DK=dk,
-        DV=dv, BC=CHUNK // 4, num_warps=4,
+    split = qkv.dtype != torch.bfloat16  # only bf16 inputs are exact as bf16 operands
+    _chunk_intra_kernel[(chunks, heads)](
+        qkv, proj, a_log, dt_bias, plan.start, plan.end, w, u, c, qkv.stride(0),
+        proj.stride(0), a_col, b_col, HV=heads, KEY_DIM=key_dim, GROUP=group, DK=dk, DV=dv,
+        BC=CHUNK // 4, SPLIT=split, num_warps=4,
     )  # fmt: skip
     bv = min(dv, 32)
-    _chunk_scan_kernel[(slots.shape[0], heads, dv // bv)](
-        qkv, w, u, c, aqk, out, states, slots, plan.seq_chunks, plan.start, plan.end,
-        plan.snapshot,
-        qkv.stride(0), out.stride(0), states.stride(0), dk**-0.5, HV=heads, KEY_DIM=key_dim,
-        GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, num_warps=4,
+    _chunk_state_kernel[(plan.slots.shape[0], heads, dv // bv)](
+        qkv, w, u, c, h, v_new, states, plan.slots, plan.seq_chunks, plan.start, plan.end,
+        plan.snapshot, qkv.stride(0), states.stride(0), HV=heads, KEY_DIM=key_dim,
+        GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, SPLIT=split, num_warps=4,
     )  # fmt: skip
-    return out
+    bv = min(dv, 64)
+    _chunk_output_kernel[(chunks, heads, dv // bv)](
+        qkv, c, h, v_new, out, plan.start, plan.end, qkv.stride(0), out.stride(0), dk**-0.5,
+        HV=heads, KEY_DIM=key_dim, GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, SPLIT=split,
+        num_warps=4,
+    )  # fmt: skip
 
 
 @triton.jit

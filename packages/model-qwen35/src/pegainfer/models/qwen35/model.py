@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from itertools import chain
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +37,7 @@ from pegainfer.core.model_line import Model, RuntimeConfig
 from pegainfer.core.ops import rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding
-from pegainfer.core.runner.forward_batch import ForwardBatch
+from pegainfer.core.runner.forward_batch import ForwardBatch, to_device_array
 from pegainfer.models.qwen35 import ops
 from pegainfer.models.qwen35.config import FULL, Qwen35Config
 
@@ -51,20 +53,27 @@ _IGNORED = ("model.visual.", "mtp.")
 class DeltaNetStep:
     """How the DeltaNet kernels walk one step (CUDA path), built once per step.
 
-    Sequence i owns rows bounds[i]:bounds[i+1] and the state slot slots[i]. `chunks` is None
-    for a decode step (one token each, the recurrent kernel); `conv_snapshots` (offsets,
-    slots) says where the conv window is checkpointed, when anything is.
+    Sequence i owns rows bounds[i]:bounds[i+1] and the state slot slots[i]; the conv runs them
+    all. The delta rule runs each one-token sequence through the recurrent kernel (the
+    sequences in `recurrent_slots`, at rows `recurrent_rows`; None: row i is sequence i, a
+    decode step) and the others through the chunk kernels (`chunks`), so the decodes of a
+    mixed step cost a decode each, not a chunk each. `conv_tiles` (None in a decode step)
+    cuts the rows into the conv's tiles; `conv_snapshots` (offsets, slots) says where the conv
+    window is checkpointed, when anything is.
     """
 
     slots: torch.Tensor
     bounds: torch.Tensor
     max_len: int
+    recurrent_slots: torch.Tensor | None = None
+    recurrent_rows: torch.Tensor | None = None
     chunks: ChunkPlan | None = None
+    conv_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
     conv_snapshots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, batch: ForwardBatch, decode_bounds: torch.Tensor | None = None) -> DeltaNetStep:
-        from pegainfer.models.qwen35.kernels import ChunkPlan
+        from pegainfer.models.qwen35.kernels import ChunkPlan, conv_tiles
 
         assert batch.state_slots is not None
         num_seqs, device = batch.num_seqs, batch.input_ids.device
@@ -73,27 +82,36 @@ class DeltaNetStep:
             bounds = decode_bounds[: num_seqs + 1] if decode_bounds is not None else None
             if bounds is None:
                 bounds = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
-            return cls(batch.state_slots, bounds, 1)
+            return cls(batch.state_slots, bounds, 1, recurrent_slots=batch.state_slots)
         bounds = batch.query_start_loc_cpu.tolist()
+        slots = batch.state_slots_cpu
         # A checkpoint at offset 0 is the state the step starts from: `_start_states` copies it.
         inside = [s if s is not None and s[0] > 0 else None for s in snapshots]
-        seq_chunks, starts, ends, chunk_snaps = ChunkPlan.host_lists(bounds, inside)
-        offsets = [-1 if s is None else s[0] for s in inside]
-        snap_slots = [0 if s is None else s[1] for s in inside]
-        host = torch.tensor(
-            bounds + seq_chunks + starts + ends + chunk_snaps + offsets + snap_slots,
-            dtype=torch.int32,
+        single = [n == 1 and s is None for n, s in zip(batch.query_lens_cpu, inside, strict=True)]
+        recurrent = [i for i in range(num_seqs) if single[i]]
+        chunked = [i for i in range(num_seqs) if not single[i]]
+        plan = ChunkPlan.host_lists([(bounds[i], bounds[i + 1], inside[i]) for i in chunked])
+        lists = (
+            bounds,
+            [bounds[i] for i in recurrent],
+            [slots[i] for i in recurrent],
+            [slots[i] for i in chunked],
+            *plan,
+            *conv_tiles(bounds),
+            [-1 if s is None else s[0] for s in inside],
+            [0 if s is None else s[1] for s in inside],
         )
-        if device.type == "cuda":
-            host = host.pin_memory().to(device, non_blocking=True)
-        n = len(starts)
-        parts = host.split([num_seqs + 1, num_seqs + 1, n, n, n, num_seqs, num_seqs])
+        host = np.fromiter(chain.from_iterable(lists), np.int32, sum(map(len, lists)))
+        parts = to_device_array(host, device).split([len(x) for x in lists])
         return cls(
             slots=batch.state_slots,
             bounds=parts[0],
             max_len=max(batch.query_lens_cpu),
-            chunks=ChunkPlan(parts[1], parts[2], parts[3], parts[4]),
-            conv_snapshots=(parts[5], parts[6]) if any(inside) else None,
+            recurrent_slots=parts[2] if recurrent else None,
+            recurrent_rows=parts[1] if recurrent else None,
+            chunks=ChunkPlan(*parts[3:8]) if chunked else None,
+            conv_tiles=(parts[8], parts[9]),
+            conv_snapshots=(parts[10], parts[11]) if any(inside) else None,
         )
 
 
@@ -211,17 +229,20 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         qkv = kernels.causal_conv1d(
             proj[:, : cfg.conv_channels], self.conv1d, conv_states, step.slots, step.bounds,
-            step.conv_snapshots, step.max_len,
+            step.max_len, step.conv_tiles, step.conv_snapshots,
         )  # fmt: skip
-        args = (qkv, proj, self.A_log, self.dt_bias, recurrent_states, step.slots)
         shape = kernels.DeltaNetShape(
             cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
             cfg.linear_value_head_dim,
         )  # fmt: skip
-        if step.chunks is None:
-            out = kernels.recurrent_gated_delta_rule(*args, shape)
-        else:
-            out = kernels.chunked_gated_delta_rule(*args, step.chunks, shape)
+        out = torch.empty(qkv.shape[0], *z.shape[1:], dtype=qkv.dtype, device=qkv.device)
+        args = (qkv, proj, self.A_log, self.dt_bias, recurrent_states)
+        if step.chunks is not None:
+            kernels.chunked_gated_delta_rule(*args, step.chunks, shape, out)
+        if step.recurrent_slots is not None:
+            kernels.recurrent_gated_delta_rule(
+                *args, step.recurrent_slots, shape, step.recurrent_rows, out
+            )
         return kernels.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
 
     def _reference(
@@ -405,13 +426,22 @@ class Qwen35ForCausalLM(Model):
             if (snapshot := batch.state_snapshot_cpu[i]) is not None and snapshot[0] == 0:
                 snap_to.append(snapshot[1])
                 snap_from.append(slot)
+        lists = (fresh, restore_to, restore_from, snap_to, snap_from)
+        if not any(lists):
+            return
+        # One asynchronous copy of the slot numbers: indexing with Python lists would copy
+        # each list to the device and wait for it, stalling the launch path every step.
+        host = np.fromiter(chain.from_iterable(lists), np.int64, sum(map(len, lists)))
+        zero, to, source, snap, snap_source = to_device_array(host, conv.device).split(
+            [len(x) for x in lists]
+        )
         for arena in (conv, recurrent):
             if fresh:
-                arena[:, fresh] = 0
+                arena.index_fill_(1, zero, 0)
             if restore_to:
-                arena[:, restore_to] = arena[:, restore_from]
+                arena.index_copy_(1, to, arena.index_select(1, source))
             if snap_to:
-                arena[:, snap_to] = arena[:, snap_from]
+                arena.index_copy_(1, snap, arena.index_select(1, snap_source))
 
     def checkpoint_name_map(self, name: str) -> WeightTarget | list[WeightTarget] | None:
         """Map a Hugging Face checkpoint tensor name to our (fused) parameters, and to the
