@@ -8,7 +8,10 @@
 #            (PROFILE overrides) beside the JSON;
 # serve:     the issue's two serving rows: 1024/256 at 16 in flight (80 prompts) and 1k/128 at
 #            64 in flight (128 prompts), against `pegainfer-server` with SERVER_FLAGS;
-# multiturn: 20 conversations x 5 turns, 10 in flight (the prefix hits come back per turn).
+# multiturn: 20 conversations x 5 turns, 10 in flight (the prefix hits come back per turn);
+# kernels:   benchmarks/qwen35_delta_rule.py: one DeltaNet layer's conv and delta rule at 4B
+#            shapes (1k/4k prompts, 16/64 decodes beside a 1k prompt), per kernel, with a sweep
+#            of the chunk kernels' launch parameters.
 set -uo pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
 STAGES=${STAGES:-"tests step serve"}
@@ -47,7 +50,8 @@ for stage in $STAGES; do
   case $stage in
     tests)
       timeout 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" \
-        tests/qwen35/test_engine_gpu.py ${MORE_TESTS:-} > "$OUT/tests.log" 2>&1
+        tests/qwen35/test_kernels_gpu.py tests/qwen35/test_engine_gpu.py ${MORE_TESTS:-} \
+        > "$OUT/tests.log" 2>&1
       echo "tests: exit $? ($(tail -1 "$OUT/tests.log"))"
       grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -8
       ;;
@@ -76,6 +80,11 @@ for stage in $STAGES; do
         --result-json "$OUT/multiturn.json" > "$OUT/multiturn.log" 2>&1
       echo "multiturn: exit $?"; tail -14 "$OUT/multiturn.log"
       serve_stop
+      ;;
+    kernels)
+      timeout 300 python3 benchmarks/qwen35_delta_rule.py --out "$OUT/delta_rule.json" \
+        > "$OUT/delta_rule.log" 2>&1
+      echo "kernels: exit $?"; grep -E '^\{' "$OUT/delta_rule.log"
       ;;
     *) echo "unknown stage $stage" ;;
   esac

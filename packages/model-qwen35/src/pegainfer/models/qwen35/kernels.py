@@ -631,6 +631,19 @@ class ChunkPlan:
         return seq_chunks, starts, ends, snaps
 
 
+@dataclass(frozen=True)
+class ChunkLaunch:
+    """Launch parameters of the chunk kernels: the value columns per program of the state and
+    output kernels, and the warps of each kernel (`benchmarks/qwen35_delta_rule.py` sweeps
+    them)."""
+
+    state_block: int = 32
+    output_block: int = 64
+    intra_warps: int = 4
+    state_warps: int = 4
+    output_warps: int = 4
+
+
 def chunked_gated_delta_rule(
     qkv: torch.Tensor,
     proj: torch.Tensor,
@@ -640,6 +653,7 @@ def chunked_gated_delta_rule(
     plan: ChunkPlan,
     shape: DeltaNetShape,
     out: torch.Tensor,
+    launch: ChunkLaunch = ChunkLaunch(),
 ) -> None:
     """The delta rule over the plan's sequences, chunk by chunk, from and into their state
     slots; writes their rows of out [T, Hv, dv] (other rows are left alone).
@@ -666,19 +680,19 @@ def chunked_gated_delta_rule(
     _chunk_intra_kernel[(chunks, heads)](
         qkv, proj, a_log, dt_bias, plan.start, plan.end, w, u, c, qkv.stride(0),
         proj.stride(0), a_col, b_col, HV=heads, KEY_DIM=key_dim, GROUP=group, DK=dk, DV=dv,
-        BC=CHUNK // 4, SPLIT=split, num_warps=4,
+        BC=CHUNK // 4, SPLIT=split, num_warps=launch.intra_warps,
     )  # fmt: skip
-    bv = min(dv, 32)
+    bv = min(dv, launch.state_block)
     _chunk_state_kernel[(plan.slots.shape[0], heads, dv // bv)](
         qkv, w, u, c, h, v_new, states, plan.slots, plan.seq_chunks, plan.start, plan.end,
         plan.snapshot, qkv.stride(0), states.stride(0), HV=heads, KEY_DIM=key_dim,
-        GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, SPLIT=split, num_warps=4,
+        GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, SPLIT=split, num_warps=launch.state_warps,
     )  # fmt: skip
-    bv = min(dv, 64)
+    bv = min(dv, launch.output_block)
     _chunk_output_kernel[(chunks, heads, dv // bv)](
         qkv, c, h, v_new, out, plan.start, plan.end, qkv.stride(0), out.stride(0), dk**-0.5,
         HV=heads, KEY_DIM=key_dim, GROUP=group, DK=dk, DV=dv, BV=bv, BT=CHUNK, SPLIT=split,
-        num_warps=4,
+        num_warps=launch.output_warps,
     )  # fmt: skip
 
 

@@ -1,0 +1,142 @@
+"""Timings of Qwen3.5's DeltaNet kernels at Qwen3.5-4B's shapes on one GPU (issue 20).
+
+    python benchmarks/qwen35_delta_rule.py --out delta_rule.json
+
+For each case (one prompt of 1k or 4k tokens; 16 or 64 decodes beside a 1k-token prompt, as
+one DeltaNet layer of a mixed step runs them, planned by the model's own `DeltaNetStep`): the
+median time of the layer's conv, its chunked delta rule and its recurrent one, each kernel's
+time at the default launch parameters (torch.profiler), and the chunked rule over a sweep of
+its launch parameters (`kernels.ChunkLaunch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pegainfer.core.runner.forward_batch import ForwardBatch
+from pegainfer.models.qwen35 import kernels
+from pegainfer.models.qwen35.model import DeltaNetStep
+from pegainfer.server.bench.report import git_revision
+
+# Qwen3.5-4B's DeltaNet layer.
+SHAPE = kernels.DeltaNetShape(num_key_heads=16, num_value_heads=32, key_dim=128, value_dim=128)
+CASES = {
+    "prompt_1k": [1024],
+    "prompt_4k": [4096],
+    "decode_16_beside_1k": [1] * 16 + [1024],
+    "decode_64_beside_1k": [1] * 64 + [1024],
+}
+DEFAULT = kernels.ChunkLaunch()
+SWEEP = [
+    DEFAULT,
+    *(kernels.ChunkLaunch(state_block=b, state_warps=w) for b in (16, 32, 64) for w in (4, 8)),
+    *(kernels.ChunkLaunch(output_block=b, output_warps=w) for b in (32, 64, 128) for w in (4, 8)),
+    kernels.ChunkLaunch(intra_warps=8),
+]
+
+
+def median_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_case(lengths: list[int], device: torch.device) -> dict:
+    g = torch.Generator(device).manual_seed(len(lengths))
+    heads, dim = SHAPE.num_value_heads, SHAPE.value_dim
+    channels, tokens, seqs = SHAPE.conv_channels, sum(lengths), len(lengths)
+    width = channels + heads * dim + 2 * heads
+    proj = torch.randn(tokens, width, device=device, generator=g).bfloat16()
+    conv_weight = (0.5 * torch.randn(channels, 1, 4, device=device, generator=g)).bfloat16()
+    a_log = torch.rand(heads, device=device, generator=g).log().bfloat16()
+    dt_bias = torch.randn(heads, device=device, generator=g).bfloat16()
+    conv_states = torch.zeros(seqs, channels, 3, device=device)
+    states = torch.zeros(seqs, heads, SHAPE.key_dim, dim, device=device)
+    starts = [0 if n > 1 else 1000 for n in lengths]  # decodes continue a 1k context
+    tables = [[0] * -(-(start + n) // 16) for start, n in zip(starts, lengths, strict=True)]
+    batch = ForwardBatch.build(
+        [[1] * n for n in lengths], starts, tables, [True] * seqs, 16, device,
+        state_slots=list(range(seqs)),
+    )  # fmt: skip
+    step = DeltaNetStep.of(batch)
+    assert step.chunks is not None
+    out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16, device=device)
+
+    def conv() -> torch.Tensor:
+        return kernels.causal_conv1d(
+            proj[:, :channels], conv_weight, conv_states, step.slots, step.bounds, step.max_len,
+            step.conv_tiles, step.conv_snapshots,
+        )  # fmt: skip
+
+    qkv = conv()
+
+    def chunked(launch: kernels.ChunkLaunch = DEFAULT) -> None:
+        kernels.chunked_gated_delta_rule(
+            qkv, proj, a_log, dt_bias, states, step.chunks, SHAPE, out, launch
+        )
+
+    result: dict = {"lengths": f"{lengths.count(1)} decodes + {[n for n in lengths if n > 1]}"}
+    result["conv_ms"] = median_ms(conv)
+    result["chunked_ms"] = median_ms(chunked)
+    if step.recurrent_slots is not None:
+        rows, slots = step.recurrent_rows, step.recurrent_slots
+        result["recurrent_ms"] = median_ms(
+            lambda: kernels.recurrent_gated_delta_rule(
+                qkv, proj, a_log, dt_bias, states, slots, SHAPE, rows, out
+            )
+        )
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            conv()
+            chunked()
+        torch.cuda.synchronize(device)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_time_total > 0 and event.key.startswith("_"):
+            per_kernel[event.key] += event.device_time_total / 5 / 1e3
+    result["kernel_ms"] = dict(sorted(per_kernel.items()))
+    result["sweep"] = [
+        {
+            **dataclasses.asdict(launch),
+            "chunked_ms": median_ms(lambda launch=launch: chunked(launch)),
+        }
+        for launch in SWEEP
+    ]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="write the results here as JSON")
+    parser.add_argument("--cases", default=",".join(CASES), help="which of " + ",".join(CASES))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    results = {"revision": git_revision(), "gpu": torch.cuda.get_device_name(device)}
+    for name in args.cases.split(","):
+        results[name] = run_case(CASES[name], device)
+        case = results[name]
+        best = min(case["sweep"], key=lambda row: row["chunked_ms"])
+        print(json.dumps({"case": name, **{k: v for k, v in case.items() if k != "sweep"},
+                          "best": best}))  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
