@@ -51,6 +51,7 @@ from pegainfer.core.runner.forward_batch import Feed, ForwardBatch, LogitsRows, 
 from pegainfer.core.runner.memory import KVSizing, cpu_kv_blocks, fit_kv_blocks
 from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunner
 from pegainfer.core.runner.piecewise_graphs import token_buckets
+from pegainfer.core.runner.warmup import WarmupShape, warm_up
 from pegainfer.core.sampling.sampler import ScoredTokens, sample_requests
 from pegainfer.core.sampling.structured_output import Grammars
 from pegainfer.core.speculative.drafter import Drafter, DraftInputs
@@ -269,6 +270,7 @@ class EngineCore:
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
             args, specs, device, max_model_len, num_slots, mixed_graphs
         )
+        self._startup.mark(f"KV cache sized: {num_blocks} blocks")
         if num_blocks * args.block_size < max_model_len + lookahead:
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens, fewer than "
@@ -295,7 +297,7 @@ class EngineCore:
             if states
             else "",
         )
-        self._startup.mark("KV cache sized and allocated")
+        self._startup.mark("KV cache allocated")
         if self.ranks is None:  # parallel ranks' forwards need a plan the workers follow
             _check_forward(line, self.runner, args.block_size, bool(states))
         if buckets:
@@ -306,6 +308,11 @@ class EngineCore:
             self.runner.capture(graph_spec)
             self._startup.mark(f"{len(buckets)} decode graphs and {len(tokens)} mixed-step "
                                "graphs captured")  # fmt: skip
+        if cuda and self.ranks is None:  # parallel ranks' steps need plans (as for the check)
+            warmup = WarmupShape(args.block_size, args.max_num_batched_tokens, max_model_len,
+                                 args.max_num_seqs, num_blocks, bool(states),
+                                 checkpoints)  # fmt: skip
+            self._startup.mark(f"warm-up: {warm_up(self.runner, warmup)} eager steps")
         self.config = EngineConfig(
             model_dir=model_dir,
             tokenizer_dir=tokenizer_dir,

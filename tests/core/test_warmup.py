@@ -1,0 +1,82 @@
+"""The warm-up's steps (`runner.warmup`): which token counts and shapes it runs, that they fit
+the engine's bounds, and that they leave nothing behind: a warmed engine generates what a
+fresh one does (CPU; on CUDA the engine runs it at start, `test_warmup_gpu.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.runner.warmup import (
+    WarmupShape,
+    warm_up,
+    warmup_batches,
+    warmup_token_counts,
+)
+from pegainfer.models.qwen3.line import Qwen3Line
+from pegainfer.models.qwen35.line import Qwen35Line
+from tests.engine_harness import generate, greedy
+
+CPU = "cpu"
+
+
+def test_token_counts_cross_every_power_of_two_and_sixteen():
+    assert warmup_token_counts(2048, 40960) == [
+        1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025,
+        2048,
+    ]  # fmt: skip
+    assert warmup_token_counts(100, 40960)[-3:] == [64, 65, 100]
+    assert warmup_token_counts(2048, 40)[-3:] == [32, 33, 40]  # no prompt past max_model_len
+    assert warmup_token_counts(1, 10) == [1]
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_batches_stay_within_the_engines_bounds(recurrent):
+    import torch
+
+    shape = WarmupShape(block_size=16, max_num_batched_tokens=512, max_model_len=4096,
+                        max_num_seqs=8, num_blocks=40, recurrent=recurrent,
+                        num_checkpoints=2)  # fmt: skip
+    batches = list(warmup_batches(shape, torch.device(CPU)))
+    counts = warmup_token_counts(512, 4096)
+    assert [b.num_tokens for b in batches[: len(counts)]] == counts
+    mixed = batches[len(counts) : len(counts) + 2]
+    assert [b.query_lens_cpu for b in mixed] == [[1, 17], [1, 1, 1, 17]]
+    assert [b.seq_lens_cpu[-1] for b in mixed] == [16 + 3 + 17] * 2  # after a cached prefix
+    assert len(batches) == len(counts) + 2 + recurrent
+    if recurrent:
+        assert batches[-1].state_restore_cpu == [8] and batches[-1].state_snapshot_cpu == [(5, 9)]
+    for batch in batches:
+        assert batch.num_tokens <= 512 and batch.num_seqs <= 8
+        assert max(max(table) for table in batch.block_tables_cpu) < 40
+        if recurrent:
+            assert max(batch.state_slots_cpu) < 8
+        else:
+            assert batch.state_slots_cpu == []
+
+
+def test_a_small_cache_skips_what_it_cannot_hold():
+    import torch
+
+    shape = WarmupShape(block_size=16, max_num_batched_tokens=2048, max_model_len=4096,
+                        max_num_seqs=256, num_blocks=10)  # fmt: skip
+    batches = list(warmup_batches(shape, torch.device(CPU)))
+    assert max(b.num_tokens for b in batches) == 129  # 9 blocks; 257 tokens need 17
+    assert all(max(max(t) for t in b.block_tables_cpu) < 10 for b in batches)
+
+
+@pytest.mark.parametrize("line", [Qwen3Line(), Qwen35Line()], ids=["qwen3", "qwen35"])
+def test_a_warmed_engine_generates_what_a_fresh_one_does(line, tmp_path):
+    line.write_tiny_checkpoint(tmp_path, seed=4)
+    args = EngineArgs(model=str(tmp_path), device=CPU, max_model_len=256, max_num_seqs=4,
+                      max_num_batched_tokens=64, block_size=8)  # fmt: skip
+    prompts = [list(range(3, 40)), [5] * 9, list(range(100, 180))]
+    fresh = generate(EngineCore(args), prompts, greedy(6))
+    engine = EngineCore(args)
+    recurrent = bool(engine.model.state_arenas())
+    shape = WarmupShape(args.block_size, args.max_num_batched_tokens, args.max_model_len,
+                        args.max_num_seqs, engine.config.num_kv_blocks, recurrent,
+                        args.state_checkpoints if recurrent else 0)  # fmt: skip
+    assert warm_up(engine.runner, shape) == len(list(warmup_batches(shape, engine.runner.device)))
+    assert generate(engine, prompts, greedy(6)) == fresh

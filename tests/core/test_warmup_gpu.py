@@ -1,0 +1,98 @@
+"""After the engine's start (graph capture and the warm-up), serving a mixed load compiles no
+Triton kernel: every specialization a served step needs was made before /health would say 200
+(issue 21). One small model per line family at its real head geometry (CUDA; skipped
+elsewhere)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pegainfer.core.args import EngineArgs
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.sampling.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def write_qwen3(path: Path) -> None:
+    from tests.qwen3.golden_gate import write_gate_checkpoint
+    from tests.qwen3.test_engine_gpu import SMALL, SMALL_LAYER_OUT
+
+    write_gate_checkpoint(path, SMALL, SMALL_LAYER_OUT, seed=1)
+
+
+def write_qwen35(path: Path) -> None:
+    from tests.qwen35.test_engine_gpu import SMALL, SMALL_LAYER_OUT, write_gate_checkpoint
+
+    write_gate_checkpoint(path, SMALL, SMALL_LAYER_OUT, seed=1)
+
+
+def write_deepseek(path: Path) -> None:
+    from tests.deepseek.hf_reference import SMALL
+    from tests.deepseek.test_engine_gpu import GATE_ROUTING, LITE_GEOMETRY, SMALL_LAYER_OUT
+    from tests.latent_moe_gate import write_gate_checkpoint
+
+    write_gate_checkpoint(path, SMALL | LITE_GEOMETRY | GATE_ROUTING, SMALL_LAYER_OUT, seed=1)
+
+
+class TritonSpecializations:
+    """Records each Triton specialization made (compiled or loaded from the disk cache)."""
+
+    def __init__(self) -> None:
+        self.made: list[str] = []
+
+    def __call__(self, **kwargs) -> bool:
+        name = getattr(kwargs.get("fn"), "name", "?")
+        self.made.append(f"{name}: {kwargs.get('repr')}")
+        return False  # go on and make it
+
+    def __enter__(self) -> TritonSpecializations:
+        from triton import knobs
+
+        if not hasattr(knobs.runtime, "jit_cache_hook"):
+            pytest.skip("this Triton has no jit_cache_hook")
+        self._knobs, self._before = knobs.runtime, knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._knobs.jit_cache_hook = self._before
+
+
+def serve(engine: EngineCore, rng: random.Random, num_requests: int, max_len: int) -> None:
+    """Random prompts (some sharing a prefix, for prefix hits), greedy and sampled, several in
+    flight, to completion."""
+    shared = [rng.randrange(1, 900) for _ in range(40)]
+    for i in range(num_requests):
+        length = rng.choice([1, 2, 7, 16, 33, 100, 255, 256, 257, 300, 511, max_len])
+        prompt = [rng.randrange(1, 900) for _ in range(length)]
+        if i % 3 == 0:
+            prompt = shared + prompt
+        params = SamplingParams(max_tokens=rng.choice([1, 3, 9]), ignore_eos=True,
+                                temperature=rng.choice([0.0, 0.8]), top_k=20, top_p=0.9,
+                                logprobs=rng.choice([None, 2]))  # fmt: skip
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt,
+                                         params=params, eos_token_ids=[],
+                                         arrival_time=0.0))  # fmt: skip
+        if i % 4 == 3:  # a few steps between arrivals: decodes mix with new prompts
+            for _ in range(3):
+                engine.step()
+    while engine.has_unfinished_requests:
+        engine.step()
+
+
+@pytest.mark.parametrize("write", [write_qwen3, write_qwen35, write_deepseek],
+                         ids=["qwen3", "qwen35", "deepseek"])  # fmt: skip
+def test_serving_after_the_warm_up_compiles_nothing(write, tmp_path):
+    write(tmp_path)
+    args = EngineArgs(model=str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=1024,
+                      max_num_seqs=8, max_num_batched_tokens=256,
+                      gpu_memory_utilization=0.3)  # fmt: skip
+    engine = EngineCore(args)
+    with TritonSpecializations() as made:
+        serve(engine, random.Random(0), num_requests=24, max_len=600)
+    assert made.made == [], "\n".join(made.made)
