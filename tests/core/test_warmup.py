@@ -10,10 +10,12 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.runner.warmup import (
     WarmupShape,
+    module_token_counts,
     warm_up,
     warmup_batches,
     warmup_token_counts,
 )
+from pegainfer.models.deepseek.line import DeepseekLine
 from pegainfer.models.qwen3.line import Qwen3Line
 from pegainfer.models.qwen35.line import Qwen35Line
 from tests.engine_harness import generate, greedy
@@ -29,6 +31,9 @@ def test_token_counts_cross_every_power_of_two_and_sixteen():
     assert warmup_token_counts(100, 40960)[-3:] == [64, 65, 100]
     assert warmup_token_counts(2048, 40)[-3:] == [32, 33, 40]  # no prompt past max_model_len
     assert warmup_token_counts(1, 10) == [1]
+    assert warmup_token_counts(100, 4096, frozenset({7, 70, 700})) == [
+        1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64, 65, 70, 100,
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("recurrent", [False, True])
@@ -66,7 +71,8 @@ def test_a_small_cache_skips_what_it_cannot_hold():
     assert all(max(max(t) for t in b.block_tables_cpu) < 10 for b in batches)
 
 
-@pytest.mark.parametrize("line", [Qwen3Line(), Qwen35Line()], ids=["qwen3", "qwen35"])
+@pytest.mark.parametrize("line", [Qwen3Line(), Qwen35Line(), DeepseekLine()],
+                         ids=["qwen3", "qwen35", "deepseek"])  # fmt: skip
 def test_a_warmed_engine_generates_what_a_fresh_one_does(line, tmp_path):
     line.write_tiny_checkpoint(tmp_path, seed=4)
     args = EngineArgs(model=str(tmp_path), device=CPU, max_model_len=256, max_num_seqs=4,
@@ -78,5 +84,19 @@ def test_a_warmed_engine_generates_what_a_fresh_one_does(line, tmp_path):
     shape = WarmupShape(args.block_size, args.max_num_batched_tokens, args.max_model_len,
                         args.max_num_seqs, engine.config.num_kv_blocks, recurrent,
                         args.state_checkpoints if recurrent else 0)  # fmt: skip
-    assert warm_up(engine.runner, shape) == len(list(warmup_batches(shape, engine.runner.device)))
+    extra = module_token_counts(engine.model, shape)
+    assert bool(extra) == isinstance(line, DeepseekLine)  # the fused MoE's counts
+    steps = len(list(warmup_batches(shape, engine.runner.device, extra)))
+    assert warm_up(engine.runner, shape) == steps
     assert generate(engine, prompts, greedy(6)) == fresh
+
+
+def test_module_counts_leave_out_the_graph_buckets(tmp_path):
+    DeepseekLine().write_tiny_checkpoint(tmp_path, seed=2)
+    engine = EngineCore(EngineArgs(model=str(tmp_path), device=CPU, max_model_len=256))
+    shape = WarmupShape(16, 256, 256, 8, 100)
+    counts = module_token_counts(engine.model, shape)
+    assert counts and max(counts) <= 256 and 1 in counts
+    assert module_token_counts(
+        engine.model, WarmupShape(16, 256, 256, 8, 100, graph_buckets=(1, 2))
+    ) == counts - {1, 2}

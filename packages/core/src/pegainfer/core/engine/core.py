@@ -310,8 +310,8 @@ class EngineCore:
                                "graphs captured")  # fmt: skip
         if cuda and self.ranks is None:  # parallel ranks' steps need plans (as for the check)
             warmup = WarmupShape(args.block_size, args.max_num_batched_tokens, max_model_len,
-                                 args.max_num_seqs, num_blocks, bool(states),
-                                 checkpoints)  # fmt: skip
+                                 args.max_num_seqs, num_blocks, bool(states), checkpoints,
+                                 buckets)  # fmt: skip
             self._startup.mark(f"warm-up: {warm_up(self.runner, warmup)} eager steps")
         self.config = EngineConfig(
             model_dir=model_dir,

@@ -25,6 +25,8 @@ Pairs routed to experts other ranks hold are never touched: the combine skips th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -380,6 +382,53 @@ def _dispatch_kernel(
     tl.store(block_expert + b, owner, mask=b < num_blocks)
 
 
+def _dispatch_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """Row blocks of the sorted pairs: each expert's run padded to `block_m` rows."""
+    return triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+
+
+def _dispatch_sizes(pairs: int, num_experts: int, block_m: int) -> dict[str, int]:
+    """The one-program dispatch's compile-time sizes for `pairs` pairs."""
+    blocks = _dispatch_blocks(pairs, num_experts, block_m)
+    return {
+        "BLOCK_M": block_m,
+        "PAIRS": max(16, triton.next_power_of_2(pairs)),
+        "EXPERTS": max(16, triton.next_power_of_2(num_experts + 1)),
+        "SLOTS": triton.next_power_of_2(blocks * block_m),
+        "BLOCKS": max(16, triton.next_power_of_2(blocks)),
+    }
+
+
+def _tiles(pairs: int, num_experts: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) of the grouped GEMMs. Few rows per expert (decode) want short row
+    blocks and long steps along k; prefill fills long row blocks (a tile sweep at V2-Lite's
+    shapes on the H200: docs/benchmarks/2026-11-30-deepseek-h200/)."""
+    return (16, 128) if pairs <= 8 * num_experts else (64, 64)
+
+
+@functools.cache
+def specializing_token_counts(max_tokens: int, top_k: int, num_experts: int) -> frozenset[int]:
+    """The fewest token counts up to `max_tokens` that launch every specialization of
+    `fused_moe` a step can: its tiles, the dispatch's compile-time sizes (powers of two of the
+    step's pairs and blocks) and the classes Triton specializes the integer arguments that
+    vary with the step on (pairs, blocks: equal to 1, divisible by 16, neither). The engine's
+    warm-up runs a step of each (`runner.warmup`)."""
+
+    def kind(value: int) -> int:
+        return 1 if value == 1 else 16 if value % 16 == 0 else 0
+
+    first_of: dict[tuple, int] = {}
+    for tokens in range(1, max_tokens + 1):
+        pairs = tokens * top_k
+        block_m, _ = _tiles(pairs, num_experts)
+        blocks = _dispatch_blocks(pairs, num_experts, block_m)
+        sizes = ()
+        if pairs <= _ONE_PROGRAM_PAIRS:
+            sizes = tuple(_dispatch_sizes(pairs, num_experts, block_m).values())
+        first_of.setdefault((block_m, sizes, kind(pairs), kind(blocks), kind(tokens)), tokens)
+    return frozenset(first_of.values())
+
+
 def dispatch(
     experts: torch.Tensor, first: int, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,16 +439,13 @@ def dispatch(
     on the number of pairs only and nothing reads device values on the host, so a CUDA graph
     can capture it."""
     pairs, device = experts.numel(), experts.device
-    blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    blocks = _dispatch_blocks(pairs, num_experts, block_m)
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     if pairs <= _ONE_PROGRAM_PAIRS:
         _dispatch_kernel[(1,)](
             experts, sorted_pairs, block_expert, pairs, first, num_experts, blocks,
-            BLOCK_M=block_m, PAIRS=max(16, triton.next_power_of_2(pairs)),
-            EXPERTS=max(16, triton.next_power_of_2(num_experts + 1)),
-            SLOTS=triton.next_power_of_2(blocks * block_m),
-            BLOCKS=max(16, triton.next_power_of_2(blocks)), num_warps=8,
+            **_dispatch_sizes(pairs, num_experts, block_m), num_warps=8,
         )  # fmt: skip
         return sorted_pairs, block_expert
     local = experts.flatten().long() - first
@@ -474,10 +520,7 @@ def fused_moe(
     if tokens == 0:
         return result
     pairs = tokens * top_k
-    # Few rows per expert (decode) want short row blocks and long steps along k; prefill
-    # fills long row blocks (a tile sweep at V2-Lite's shapes on the H200:
-    # docs/benchmarks/2026-11-30-deepseek-h200/).
-    block_m, block_k = (16, 128) if pairs <= 8 * num_experts else (64, 64)
+    block_m, block_k = _tiles(pairs, num_experts)
     quant, scale_rows, scale_cols = _storage(fmt)
     if quant == _FP8:
         block_k = tile_k(scale_cols, cap=block_k)  # a K tile inside one block of scales

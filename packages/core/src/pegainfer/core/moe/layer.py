@@ -147,6 +147,13 @@ class MoE(nn.Module):
                                          routed)  # fmt: skip
         self.shared_experts = SwiGLU(hidden, inter * num_shared // group.world_size, shared)
 
+    def warmup_token_counts(self, max_tokens: int) -> frozenset[int]:
+        """Step sizes whose fused-MoE launches make every specialization a step can need
+        (`runner.warmup`)."""
+        from pegainfer.core.moe.kernels import specializing_token_counts
+
+        return specializing_token_counts(max_tokens, self.routing.top_k, self.experts.count)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, experts [T, k]) of the tokens x [T, H]."""
         routing, bias = self.routing, self.e_score_correction_bias

@@ -10,9 +10,10 @@ with a 32 s TTFT p99, against 1,440 tok/s once compiled.
 Decode graphs compile their buckets when they are captured. `warm_up` runs the eager steps the
 scheduler can produce: a prompt of every token count of `warmup_token_counts` (each power of
 two and one past it, up to the step's budget: both sides of every 16-divisibility and
-power-of-two boundary), decodes beside a chunk that continues a cached prefix and, for
-recurrent lines, a chunk that restarts from a checkpoint and checkpoints mid-chunk. With
-warm kernel caches each step costs what its forward does.
+power-of-two boundary, and the counts a module whose kernels specialize on more asks for:
+`SpecializesOnSteps`, e.g. the fused MoE's), decodes beside a chunk that continues a cached
+prefix and, for recurrent lines, a chunk that restarts from a checkpoint and checkpoints
+mid-chunk. With warm kernel caches each step costs what its forward does.
 
 The forwards run on the engine's cache, writing only blocks and state slots a later sequence
 overwrites before reading (its prefill writes its blocks; its state starts from zero or a
@@ -23,11 +24,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.core.runner.model_runner import ModelRunner
+
+
+@runtime_checkable
+class SpecializesOnSteps(Protocol):
+    """A module whose kernels specialize on the step's token count in ways the powers of two
+    do not cover."""
+
+    def warmup_token_counts(self, max_tokens: int) -> frozenset[int]:
+        """Token counts, at most `max_tokens`, whose steps make every specialization."""
 
 
 @dataclass(frozen=True)
@@ -43,13 +54,17 @@ class WarmupShape:
     #: checkpoints' from max_num_seqs on (`num_checkpoints` of them).
     recurrent: bool = False
     num_checkpoints: int = 0
+    #: Decode-graph buckets, already run when the graphs were captured.
+    graph_buckets: tuple[int, ...] = ()
 
 
-def warmup_token_counts(budget: int, max_model_len: int) -> list[int]:
+def warmup_token_counts(
+    budget: int, max_model_len: int, extra: frozenset[int] = frozenset()
+) -> list[int]:
     """1, then each power of two 2^k and 2^k + 1 up to the step's token budget (a prompt no
-    longer than max_model_len), and the budget itself."""
+    longer than max_model_len), the budget itself, and the `extra` counts within it."""
     limit = min(budget, max_model_len)
-    counts = {1, limit}
+    counts = {1, limit} | {n for n in extra if n <= limit}
     power = 2
     while power <= limit:
         counts |= {power, min(power + 1, limit)}
@@ -57,8 +72,20 @@ def warmup_token_counts(budget: int, max_model_len: int) -> list[int]:
     return sorted(counts)
 
 
-def warmup_batches(shape: WarmupShape, device: torch.device) -> Iterator[ForwardBatch]:
-    """The warm-up's steps, each over the first blocks of the cache."""
+def module_token_counts(model: torch.nn.Module, shape: WarmupShape) -> frozenset[int]:
+    """The counts the model's `SpecializesOnSteps` modules ask for, less the decode-graph
+    buckets (capture ran steps of those sizes)."""
+    limit = min(shape.max_num_batched_tokens, shape.max_model_len)
+    counts = frozenset().union(*(m.warmup_token_counts(limit) for m in model.modules()
+                                 if isinstance(m, SpecializesOnSteps)))  # fmt: skip
+    return counts - set(shape.graph_buckets)
+
+
+def warmup_batches(
+    shape: WarmupShape, device: torch.device, extra: frozenset[int] = frozenset()
+) -> Iterator[ForwardBatch]:
+    """The warm-up's steps (prompts of `warmup_token_counts`, with `extra`), each over the
+    first blocks of the cache."""
     bs = shape.block_size
 
     def batch(starts: list[int], chunks: list[int], **states) -> ForwardBatch:
@@ -72,7 +99,7 @@ def warmup_batches(shape: WarmupShape, device: torch.device) -> Iterator[Forward
                                   [True] * len(chunks), bs, device, state_slots=slots,
                                   **states)  # fmt: skip
 
-    for n in warmup_token_counts(shape.max_num_batched_tokens, shape.max_model_len):
+    for n in warmup_token_counts(shape.max_num_batched_tokens, shape.max_model_len, extra):
         if -(-n // bs) <= shape.num_blocks:
             yield batch([0], [n])
     # A chunk of 17 tokens after a cached prefix of a block and 3 tokens, beside decodes.
@@ -96,8 +123,9 @@ def warm_up(runner: ModelRunner, shape: WarmupShape) -> int:
     """Run the warm-up's steps (after the cache is allocated and graphs captured); return how
     many ran."""
     steps = 0
+    extra = module_token_counts(runner.model, shape)
     with torch.inference_mode():
-        for batch in warmup_batches(shape, runner.device):
+        for batch in warmup_batches(shape, runner.device, extra):
             runner.forward(batch)
             steps += 1
     if runner.device.type == "cuda":
