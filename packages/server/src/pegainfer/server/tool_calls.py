@@ -702,18 +702,23 @@ class GlmToolCalls(TaggedToolCalls):
         rules = []
         for i, function in enumerate(names):
             arguments = _glm_argument_rules(f"args{i}", parameters_schema(functions[function]))
-            rules += [f"call{i}: {json.dumps(_GLM_CALL_BEGIN + function)} args{i} "
-                      f"{json.dumps(_GLM_CALL_END)}", *arguments]  # fmt: skip
+            rules += [f"call{i}: {_GLM_CALL_BEGIN} {json.dumps(function)} args{i} {_GLM_CALL_END}",
+                      *arguments]  # fmt: skip
         repeat = "+" if parallel and name is None else ""
         grammar = "\n".join([
             f"start: call{repeat}",
             "call: " + " | ".join(f"call{i}" for i in range(len(names))),
             *rules,
+            f"TEXT: {_BARE_TEXT}",
+            "KEY: /[^<>]+/",
         ])  # fmt: skip
         return StructuredOutput(kind="grammar", spec=grammar)
 
 
+# GLM's tags are tokens of their own (a grammar names them as such: llguidance counts every
+# added token special); a bare value is any text that does not write one of the closing tags.
 _GLM_CALL_BEGIN, _GLM_CALL_END = GlmToolCalls.start_tag, GlmToolCalls.end_tag
+_BARE_TEXT = r"/(?s:.*)/ & ~/(?s:.*)(<\/arg_value>|<\/tool_call>)(?s:.*)/"
 # The keywords a bare string value can be held to; others (a pattern, a format) would need
 # JSON's quoted strings, which GLM does not write.
 _BARE_STRING_KEYWORDS = frozenset({"type", "enum", "const", "minLength", "maxLength",
@@ -721,33 +726,31 @@ _BARE_STRING_KEYWORDS = frozenset({"type", "enum", "const", "minLength", "maxLen
 
 
 def _glm_argument_rules(rule: str, parameters: dict[str, Any]) -> list[str]:
-    """Lark rules for one function's arguments (`rule`: their sequence); each value's rule
-    takes its closing tag too."""
+    """Lark rules for one function's arguments (`rule`: their sequence)."""
     properties = parameters.get("properties") or {}
     if not properties:  # no declared parameters: any, unless the schema allows none
         if parameters.get("additionalProperties") is False:
             return [f'{rule}: ""']
-        key = f"{rule}_key: /[^<>]+/"
-        pair = f'"{_ARG_KEY}" {rule}_key "{_ARG_KEY_END}{_ARG_VALUE}" {rule}_value'
-        return [f"{rule}: ({pair})*", key, _bare_string(f"{rule}_value", "*")]
+        return [f"{rule}: ({_ARG_KEY} KEY {_ARG_KEY_END} {_ARG_VALUE} TEXT {_ARG_VALUE_END})*"]
     required = set(parameters.get("required") or ())
     order = [k for k in properties if k in required] + [k for k in properties if k not in required]
     rules, parts = [], []
     defs = {"$defs": parameters["$defs"]} if "$defs" in parameters else {}
     for j, key in enumerate(order):
-        rules.append(_glm_value_rule(f"{rule}_{j}", key, properties[key], defs))
-        pair = f"{json.dumps(_ARG_KEY + key + _ARG_KEY_END + _ARG_VALUE)} {rule}_{j}"
+        value = f"{rule}_{j}"
+        rules.append(f"{value}: {_glm_value(value.upper(), key, properties[key], defs, rules)}")
+        pair = f"{_ARG_KEY} {json.dumps(key)} {_ARG_KEY_END} {_ARG_VALUE} {value} {_ARG_VALUE_END}"
         parts.append(pair if key in required else f"({pair})?")
     return [f"{rule}: " + " ".join(parts), *rules]
 
 
-def _glm_value_rule(rule: str, key: str, schema: Any, defs: dict[str, Any]) -> str:
-    """The Lark rule of one parameter's value, up to and including its closing tag."""
-    end = json.dumps(_ARG_VALUE_END)
+def _glm_value(terminal: str, key: str, schema: Any, defs: dict[str, Any], rules: list[str]) -> str:
+    """The Lark expansion of one parameter's value (a terminal it needs, named `terminal`, is
+    added to `rules`)."""
     if not isinstance(schema, dict) or schema.get("type") != "string":
         compact = {"x-guidance": {"whitespace_flexible": False}}
         schema = (schema if isinstance(schema, dict) else {}) | defs | compact
-        return f"{rule}: %json {json.dumps(schema)} {end}"
+        return f"%json {json.dumps(schema)}"
     unsupported = sorted(set(schema) - _BARE_STRING_KEYWORDS)
     if unsupported:
         raise InvalidRequestError(
@@ -755,21 +758,13 @@ def _glm_value_rule(rule: str, key: str, schema: Any, defs: dict[str, Any]) -> s
             "GLM writes string values bare, not as JSON strings", "tool_choice")  # fmt: skip
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        return (
-            f"{rule}: ("
-            + " | ".join(json.dumps(str(v), ensure_ascii=False) for v in values)
-            + f") {end}"
-        )
+        return "(" + " | ".join(json.dumps(str(v), ensure_ascii=False) for v in values) + ")"
     low, high = schema.get("minLength"), schema.get("maxLength")
     if low is None and high is None:
-        return _bare_string(rule, "*")
-    return _bare_string(rule, f"{{{int(low or 0)},{'' if high is None else int(high)}}}")
-
-
-def _bare_string(rule: str, repeat: str) -> str:
-    """A rule of any text (`repeat` characters of it) up to the first closing tag: lazy, so the
-    value ends where `</arg_value>` first appears."""
-    return rf"{rule}[lazy]: /(?s:.{repeat})<\/arg_value>/"
+        return "TEXT"
+    length = f"{{{int(low or 0)},{'' if high is None else int(high)}}}"
+    rules.append(f"{terminal}: /(?s:.{length})/ & {_BARE_TEXT}")
+    return terminal
 
 
 class _GlmArguments:
