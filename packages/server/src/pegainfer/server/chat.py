@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -66,7 +67,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if message.role != "assistant":
                 raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
                                   "messages")  # fmt: skip
-            entry["tool_calls"] = message.tool_calls
+            entry["tool_calls"] = [template_call(call, f"messages[{i}].tool_calls[{j}]")
+                                   for j, call in enumerate(message.tool_calls)]  # fmt: skip
         if message.role == "tool":
             if message.tool_call_id is None:
                 raise bad_request(f"messages[{i}]: a tool message needs tool_call_id", "messages")
@@ -77,6 +79,25 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["reasoning_content"] = message.reasoning_content
         rendered.append(entry)
     return rendered
+
+
+def template_call(call: dict[str, Any], at: str) -> dict[str, Any]:
+    """A call in the history as chat templates read it: its arguments an object, not the JSON
+    text OpenAI sends (as vLLM passes them: templates such as GLM's iterate over them)."""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise bad_request(f"{at}.function must be an object", "messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"{at}.function.arguments is not JSON: {exc}", "messages") from exc
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{at}.function.arguments must be a JSON object", "messages")
+    return call | {"function": function | {"arguments": arguments}}
 
 
 class AnswerParser:

@@ -15,6 +15,8 @@ class Glm5Line(ModelLine):
     name = "glm5"
     unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
     supports_data_parallel = True
+    reasoning_parser = "glm45"  # thinking from the answer's start, until </think>
+    tool_call_parser = "glm47"  # <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…
 
     def probe(self, config: dict[str, Any]) -> Probe:
         model_type = config.get("model_type")

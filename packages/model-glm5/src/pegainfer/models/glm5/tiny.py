@@ -2,13 +2,14 @@
 the router's float32 correction bias; GLM-5's structure: q-LoRA MLA with nope != value, three
 dense layers then MoE with sigmoid + correction-bias routing, 32 index heads and an
 `index_topk` well below `max_model_len` so prompts of a few dozen tokens attend sparsely), with
-a working byte-level BPE tokenizer and a plain chat template (not GLM's). For tests and
-tryouts.
+a working byte-level BPE tokenizer with GLM's special and tool tokens, GLM-5's chat format
+(`tiny_chat_template.jinja`) and its three end-of-turn tokens. For tests and tryouts.
 """
 
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,18 @@ from pegainfer.core.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.core.tiny import save_sharded
 from pegainfer.models.glm5.config import Glm5Config
 
-SPECIAL_TOKENS = ["[gMASK]", "<|endoftext|>", "<|user|>", "<|assistant|>"]
+SPECIAL_TOKENS = ["[gMASK]", "<|endoftext|>", "[MASK]", "[sMASK]", "<sop>", "<eop>",
+                  "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]  # fmt: skip
+# GLM's thinking and tool tags: kept when decoding with skip_special_tokens, so the parsers
+# read them in the answer's text.
+TAG_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+              "</tool_response>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+              "/nothink"]  # fmt: skip
+# A turn ends where the model starts the next one (GLM-5's generation_config.json).
+END_OF_TURN = ["<|endoftext|>", "<|user|>", "<|observation|>"]
 # The indexer's linear layers a quantized checkpoint stores quantized (its head weights stay
 # unquantized, as the model builds them).
 INDEXER_LINEAR = frozenset({"wq_b", "wk"})
-CHAT_TEMPLATE = (
-    "[gMASK]{% for message in messages %}<|{{ message.role }}|>{{ message.content }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
@@ -111,15 +116,19 @@ def write_tiny_glm5(
     place."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    template = resources.files("pegainfer.models.glm5").joinpath("tiny_chat_template.jinja")
     write_tiny_tokenizer(
         out_dir,
         special_tokens=SPECIAL_TOKENS,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=template.read_text(encoding="utf-8"),
+        added_tokens=TAG_TOKENS,
     )
     tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
     bos, eos = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS[:2])
+    generation = {"eos_token_id": [tokenizer.token_to_id(t) for t in END_OF_TURN]}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64
     config = default_config(vocab_size, bos=bos, eos=eos) | overrides
     cfg, scheme = Glm5Config.from_dict(config), parse_quantization(config)
