@@ -659,9 +659,9 @@ class GlmToolCalls(TaggedToolCalls):
     """GLM-4.5 … GLM-5's calls (vLLM's glm45 and glm47 parsers): `<tool_call>NAME`, then per
     argument `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`, then `</tool_call>`; GLM-4.5
     and 4.6 put a newline after the name and between the tags, GLM-4.7 and 5 nothing. Values are
-    written bare: a parameter whose schema type is "string" is its text as written, any other
-    value is read as JSON (stripped; text that is not JSON stays a string). Arguments stream as
-    they arrive: a string value piece by piece, any other once its closing tag is in."""
+    written bare and typed by the tool's schema as qwen3_xml's are: a parameter that can only be
+    a string is its text as written and streams as it arrives; any other goes out once its
+    closing tag is in, read (stripped) as the JSON type its schema allows."""
 
     def __init__(self, parameters: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__()
@@ -747,7 +747,7 @@ def _glm_argument_rules(rule: str, parameters: dict[str, Any]) -> list[str]:
 def _glm_value(terminal: str, key: str, schema: Any, defs: dict[str, Any], rules: list[str]) -> str:
     """The Lark expansion of one parameter's value (a terminal it needs, named `terminal`, is
     added to `rules`)."""
-    if not isinstance(schema, dict) or schema.get("type") != "string":
+    if _admitted(schema) != {"string"}:  # written as JSON (what the parser reads it as)
         compact = {"x-guidance": {"whitespace_flexible": False}}
         schema = (schema if isinstance(schema, dict) else {}) | defs | compact
         return f"%json {json.dumps(schema)}"
@@ -758,7 +758,7 @@ def _glm_value(terminal: str, key: str, schema: Any, defs: dict[str, Any], rules
             "GLM writes string values bare, not as JSON strings", "tool_choice")  # fmt: skip
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        return "(" + " | ".join(json.dumps(str(v), ensure_ascii=False) for v in values) + ")"
+        return "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in values) + ")"
     low, high = schema.get("minLength"), schema.get("maxLength")
     if low is None and high is None:
         return "TEXT"
@@ -812,37 +812,33 @@ class _GlmArguments:
                     # Hold back what may be the start of a closing tag (the value's or the call's).
                     end -= _partial(body[self._pos :], (_ARG_VALUE_END, _GLM_CALL_END))
                 if self._is_string():
-                    out.append(json.dumps(body[self._pos : end], ensure_ascii=False)[1:-1])
+                    out.append(_json_string_piece(body[self._pos : end]))
                     self._pos = end
                 if at < 0 and not done:
                     return out
-                raw = body[self._value_at : end]
-                out.append('"' if self._is_string() else self._pair_head() + _json_value(raw))
+                if self._is_string():
+                    out.append('"')
+                else:  # GLM pads no value; whitespace around a non-string one is layout
+                    typed = _typed(body[self._value_at : end].strip(), self._admitted())
+                    out.append(self._pair_head() + json.dumps(typed, ensure_ascii=False))
                 self._pos, self._state = (at + len(_ARG_VALUE_END) if at >= 0 else end), _GAP
         if done:
             out.append("}" if self._pairs else "{}")
         return out
 
-    def _is_string(self) -> bool:
+    def _admitted(self) -> set[str] | None:
         properties = self._parameters.get(self.name or "", {}).get("properties") or {}
-        schema = properties.get(self._key)
-        return isinstance(schema, dict) and schema.get("type") == "string"
+        return _admitted(properties.get(self._key))
+
+    def _is_string(self) -> bool:
+        """The current parameter can only be a string: its value streams as it arrives."""
+        return self._admitted() == {"string"}
 
     def _pair_head(self) -> str:
         """`{"key": ` for the first argument, `, "key": ` for the others."""
         self._pairs += 1
         key = json.dumps(self._key, ensure_ascii=False)
         return ("{" if self._pairs == 1 else ", ") + key + ": "
-
-
-def _json_value(raw: str) -> str:
-    """A non-string parameter's value as JSON: itself if it is JSON, else the text (stripped)
-    as a string."""
-    text = raw.strip()
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except json.JSONDecodeError:
-        return json.dumps(text, ensure_ascii=False)
 
 
 TOOL_CALL_PARSERS = {
