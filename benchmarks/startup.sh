@@ -6,9 +6,10 @@
 # startup: per model line (SHAPES: Qwen3-4B, Qwen3.5-4B, DeepSeek-V2-Lite shapes with random
 #          weights from make-checkpoint), `pegainfer-bench startup`: COLD_RUNS starts with empty
 #          FlashInfer, Triton and CUDA kernel caches and the page cache dropped (the first also
-#          fills the warm cache), then WARM_RUNS starts on it; each records the time to
+#          fills the warm cache), then WARM_RUNS starts on it, then DISK_COLD_RUNS with the
+#          kernel caches warm and the page cache dropped; each records the time to
 #          /health 200, the idle RSS of the process tree, GPU memory and the server's start-up
-#          phases (time and RSS). The restored caches in ~ are not used by either.
+#          phases (time and RSS). The restored caches in ~ are not used by any.
 # A line whose checkpoint is missing is written first (seconds to a minute; not timed).
 set -uo pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -16,6 +17,7 @@ STAGES=${STAGES:-"tests startup"}
 SHAPES=${SHAPES:-"qwen3-4b qwen35-4b deepseek-v2-lite"}
 COLD_RUNS=${COLD_RUNS:-1}
 WARM_RUNS=${WARM_RUNS:-2}
+DISK_COLD_RUNS=${DISK_COLD_RUNS:-1}
 SERVER_ARGS=${SERVER_ARGS:---max-model-len 20480}
 REV=${PEGAINFER_REVISION:-unknown}
 mkdir -p "$OUT"
@@ -40,7 +42,8 @@ for stage in $STAGES; do
         ckpt=/tmp/$shape
         checkpoint "$shape" "$ckpt"
         timeout 420 pegainfer-bench startup --model-path "$ckpt" --cold-runs "$COLD_RUNS" \
-          --warm-runs "$WARM_RUNS" --drop-page-cache --server-args "$SERVER_ARGS" \
+          --warm-runs "$WARM_RUNS" --disk-cold-runs "$DISK_COLD_RUNS" --drop-page-cache \
+          --server-args "$SERVER_ARGS" \
           --log-dir "$OUT/startup_$shape" --result-json "$OUT/startup_${shape}_$REV.json" \
           > "$OUT/startup_$shape.log" 2>&1
         echo "startup $shape: exit $?"; grep -E "run [0-9]+:" "$OUT/startup_$shape.log"

@@ -24,6 +24,7 @@ def test_startup_cold_and_warm(tiny_model, tmp_path):
         model_path=str(tiny_model), port=free_port(), cold_runs=1, warm_runs=1, settle=0.2,
         timeout=60.0, cache_dir=None, server_args=["--device", "cpu", "--max-model-len", "256"],
         result_json=str(out), log_dir=str(tmp_path / "logs"), drop_page_cache=False,
+        disk_cold_runs=0,
     )  # fmt: skip
     result = startup.main(args)
     assert [r["cache"] for r in result["runs"]] == ["cold", "warm"]

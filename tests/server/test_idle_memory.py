@@ -38,3 +38,4 @@ def test_tiny_server_idle_rss_under_1gb(tiny_model, tmp_path):
     assert "KV cache: 2048 blocks of 16 tokens (0.06 GiB)" in logs  # 64 MiB: the default floor
     phases = re.findall(r"start-up: (.+) at [\d.]+ s, RSS \d+ MiB \([+-]\d+ MiB\)", logs)
     assert phases[0] == "model loaded" and phases[-1] == "engine ready", phases
+    assert re.search(r"ready: serving .* s after start \(this process: RSS \d+ MiB\)", logs)

@@ -24,6 +24,7 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.spawn import SpawnedEngine, spawn_engine
 from pegainfer.core.errors import PegainferError
 from pegainfer.core.kv.kv_events import KVEventsConfig
+from pegainfer.core.process_info import rss_bytes, since_process_start
 
 if TYPE_CHECKING:
     from pegainfer.core.engine.core import EngineConfig
@@ -288,7 +289,9 @@ async def serve(
                 engine, frontend, metrics, server["max_waiting_requests"],
                 server["max_unsent_tokens"],
             )  # fmt: skip
-            logger.info("ready: serving %s at http://%s:%s", names, server["host"], server["port"])
+            logger.info("ready: serving %s at http://%s:%s, %.2f s after start (this process: "
+                        "RSS %d MiB)", names, server["host"], server["port"],
+                        since_process_start(), rss_bytes() >> 20)  # fmt: skip
         except PegainferError as exc:
             if stop.is_set():
                 logger.info("stopped while loading")

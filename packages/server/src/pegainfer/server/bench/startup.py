@@ -8,7 +8,8 @@ lines (each phase's time and RSS) are kept with the run.
 Cold runs point FlashInfer's, Triton's and the CUDA driver's kernel caches at empty
 directories, so every kernel compiles as on a fresh machine (with `--drop-page-cache`, the
 weights are read from disk too); warm runs share caches filled by an earlier run (the first
-cold run's, when the caches are this benchmark's own).
+cold run's, when the caches are this benchmark's own); disk-cold runs read every file from
+disk again with the kernel caches warm.
 """
 
 from __future__ import annotations
@@ -138,10 +139,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             cold = warm_cache if own_cache and i == 0 else Path(tmp) / f"cold{i}"
             dropped = args.drop_page_cache and drop_page_cache()
             runs.append({**start("cold", cold), "page_cache_dropped": dropped})
-        if args.warm_runs and not (own_cache and args.cold_runs):
+        if (args.warm_runs or args.disk_cold_runs) and not (own_cache and args.cold_runs):
             start("filling", warm_cache)  # fills the warm cache; not counted
         for _ in range(args.warm_runs):
             runs.append(start("warm", warm_cache))
+        for _ in range(args.disk_cold_runs):
+            # Kernels cached, files not: a first start after the caches were restored.
+            if not drop_page_cache():
+                print("disk-cold runs skipped: the page cache cannot be dropped here (root only)")
+                break
+            runs.append(start("disk-cold", warm_cache))
     result = {
         "benchmark": "startup",
         **report.run_metadata(server_version=None),
@@ -173,6 +180,13 @@ def add_parser(subparsers: Any) -> None:
         type=shlex.split,
         default=[],
         help="extra pegainfer-server arguments as one string, e.g. '--max-model-len 8192'",
+    )
+    parser.add_argument(
+        "--disk-cold-runs",
+        type=non_negative_int,
+        default=0,
+        help="after the warm runs, starts with the kernel caches warm and the page cache "
+        "dropped (root): a first start on a machine whose kernel caches were restored",
     )
     parser.add_argument(
         "--drop-page-cache",
