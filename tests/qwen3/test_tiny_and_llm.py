@@ -15,8 +15,8 @@ import transformers
 from pegainfer import LLM, SamplingParams
 from pegainfer.core.tiny import main as tiny_main
 from pegainfer.models.qwen3.line import Qwen3Line
+from tests.paged_runner import PagedRunner, assert_close, hf_logits
 from tests.qwen3.hf_reference import load_hf, load_ours
-from tests.qwen3.test_forward_vs_hf import PagedRunner, assert_close, hf_logits
 
 
 @pytest.fixture(scope="module")
