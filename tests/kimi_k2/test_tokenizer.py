@@ -26,6 +26,7 @@ from pegainfer.models.kimi_k2.tokenizer import (
     load_kimi_tokenizer,
 )
 from pegainfer.server import parsers
+from pegainfer.server.reasoning import KimiK2ThinkSplitter
 from pegainfer.server.tool_calls import KimiK2ToolCalls
 from tests.tokenizer_texts import CORPUS, random_texts
 
@@ -156,10 +157,28 @@ def test_bad_checkpoints_are_refused(tok_dir, tmp_path):
         load_kimi_tokenizer(tmp_path)
 
 
-def test_the_line_loads_it_and_names_kimis_tool_call_parser(tok_dir, tok):
+def test_the_instruct_template_writes_no_thinking(tok, tmp_path):
+    write_tiny_kimi_tokenizer(tmp_path, thinking=False)
+    instruct = load_kimi_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
+                {"role": "user", "content": "Bye"}]  # fmt: skip
+    thinking = tok.apply_chat_template(messages)
+    assert "<think></think>Hello." in thinking
+    assert instruct.apply_chat_template(messages) == thinking.replace("<think></think>", "")
+
+
+def test_the_line_picks_parsers_by_checkpoint(tok_dir, tok, tmp_path):
+    """kimi_k2 calls for every checkpoint; kimi_k2 reasoning for those that think: a chat
+    template that writes thinking (K2-Thinking's), or K2.5/K2.6's model type, not K2-Instruct."""
     line = KimiK2Line()
     assert line.tokenizer_file == "tiktoken.model"
     assert line.load_tokenizer(tok_dir).encode(KIMI_TEXTS[3]) == tok.encode(KIMI_TEXTS[3])
-    defaults = {"reasoning": line.reasoning_parser, "tool_call": line.tool_call_parser}
-    chosen = parsers.resolve(parsers.registry(), {}, defaults)
-    assert chosen == {"reasoning": None, "tool_call": KimiK2ToolCalls}
+    write_tiny_kimi_tokenizer(tmp_path, thinking=False)
+    cases = [(tok_dir, "kimi_k2", KimiK2ThinkSplitter), (tmp_path, "kimi_k2", None),
+             (tmp_path, "kimi_k25", KimiK2ThinkSplitter)]  # fmt: skip
+    for directory, model_type, reasoning in cases:
+        defaults = {"reasoning": line.reasoning_parser_for({"model_type": model_type}, directory),
+                    "tool_call": line.tool_call_parser}  # fmt: skip
+        chosen = parsers.resolve(parsers.registry(), {}, defaults)
+        assert chosen == {"reasoning": reasoning, "tool_call": KimiK2ToolCalls}, model_type

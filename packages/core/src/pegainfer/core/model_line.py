@@ -188,6 +188,12 @@ class ModelLine(ABC):
     def build_model(self, ctx: ModelContext) -> Model:
         """Build the model on `ctx.device` and load its weights from `ctx.model_dir`."""
 
+    def reasoning_parser_for(self, config: dict[str, Any], tokenizer_dir: Path) -> str | None:
+        """The reasoning parser this checkpoint's answers need, from its config.json contents
+        and tokenizer directory: `reasoning_parser`, unless the family's checkpoints differ
+        (Kimi-K2-Instruct does not think, Kimi-K2-Thinking does). Must be cheap."""
+        return self.reasoning_parser
+
     def load_tokenizer(self, tokenizer_dir: Path) -> Tokenizer:
         """The tokenizer and chat templates of a checkpoint directory (the model's, or
         `--tokenizer`'s). Core's reads `tokenizer.json`; a line whose checkpoints ship another

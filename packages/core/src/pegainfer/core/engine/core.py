@@ -324,7 +324,7 @@ class EngineCore:
             block_size=args.block_size,
             num_kv_blocks=num_blocks,
             vocab_size=self.model.vocab_size,
-            reasoning_parser=line.reasoning_parser,
+            reasoning_parser=line.reasoning_parser_for(context.config, tokenizer_dir),
             tool_call_parser=line.tool_call_parser,
         )
         self.offload: HostMemoryTier | None = None

@@ -239,6 +239,15 @@ def _token_content(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def chat_template_sources(path: str | Path) -> dict[str, str]:
+    """The Jinja source of a checkpoint directory's chat templates by name, found as
+    `Tokenizer.from_dir` finds them, without loading the tokenizer."""
+    path = Path(path)
+    return _find_chat_templates(
+        path, read_json_object(path / TOKENIZER_CONFIG_FILE, required=False)
+    )
+
+
 def _find_chat_templates(path: Path, config: Mapping[str, Any]) -> dict[str, str]:
     templates: dict[str, str] = {}
     template_file = path / CHAT_TEMPLATE_FILE

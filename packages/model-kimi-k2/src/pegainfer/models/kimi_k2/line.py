@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,11 @@ from pegainfer.core.errors import ConfigError
 from pegainfer.core.loading.weights import build_and_load
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
 from pegainfer.core.quant.scheme import parse_quantization
-from pegainfer.core.text.tokenizer import Tokenizer
+from pegainfer.core.text.tokenizer import Tokenizer, chat_template_sources
 from pegainfer.models.kimi_k2.config import KimiCheckpoint
 from pegainfer.models.kimi_k2.tokenizer import TIKTOKEN_FILE, load_kimi_tokenizer
+
+_JINJA_COMMENT = re.compile(r"\{#.*?#\}", re.DOTALL)
 
 
 class KimiK2Line(ModelLine):
@@ -21,10 +24,18 @@ class KimiK2Line(ModelLine):
     unsupported_args = frozenset({"state_checkpoints"})  # no recurrent layers
     supports_data_parallel = True
     tokenizer_file = TIKTOKEN_FILE
-    # Kimi's calls in special tokens. No reasoning parser by default: K2-Instruct does not think,
-    # and kimi_k2's split reads an answer as thinking from its first token (K2-Thinking, K2.5
-    # and K2.6 think: serve them with --reasoning-parser kimi_k2, as vLLM does).
-    tool_call_parser = "kimi_k2"
+    tool_call_parser = "kimi_k2"  # Kimi's calls in special tokens
+
+    def reasoning_parser_for(self, config: dict[str, Any], tokenizer_dir: Path) -> str | None:
+        """kimi_k2 for the checkpoints that think: K2.5 and K2.6 (`kimi_k25`), and those whose
+        chat template writes thinking into the assistant turns (K2-Thinking's); none for
+        K2-Instruct, whose answers kimi_k2's split would read as thinking from the first token."""
+        if config.get("model_type") == "kimi_k25":
+            return "kimi_k2"
+        templates = [
+            _JINJA_COMMENT.sub("", t) for t in chat_template_sources(tokenizer_dir).values()
+        ]
+        return "kimi_k2" if any("</think>" in template for template in templates) else None
 
     def probe(self, config: dict[str, Any]) -> Probe:
         checkpoint = KimiCheckpoint.of(config)

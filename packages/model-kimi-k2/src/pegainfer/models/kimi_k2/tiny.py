@@ -70,14 +70,15 @@ def default_config(vocab_size: int, bos: int, eos: int) -> dict[str, Any]:
 
 def write_tiny_kimi(
     out_dir: Path, *, seed: int = 0, num_shards: int = 1, device: str = "cpu",
-    weights: bool = True, **overrides: Any,
+    weights: bool = True, thinking: bool = True, **overrides: Any,
 ) -> None:  # fmt: skip
     """Write the checkpoint; `device` is where the random weights are drawn (a GPU is much
     faster at real sizes), `overrides` replace config.json fields. `weights` False: config and
-    tokenizer only, for `--load-format dummy`, which draws the weights in place."""
+    tokenizer only, for `--load-format dummy`, which draws the weights in place. `thinking`:
+    K2-Thinking's chat template (False: K2-Instruct's)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab_size = write_tiny_kimi_tokenizer(out_dir)  # and generation_config.json
+    vocab_size = write_tiny_kimi_tokenizer(out_dir, thinking=thinking)  # and generation_config
     base = vocab_size - NUM_RESERVED_SPECIAL_TOKENS
     bos, eos = base + SPECIAL_OFFSETS["[BOS]"], base + SPECIAL_OFFSETS["[EOS]"]
     config = default_config(-(-vocab_size // 64) * 64, bos=bos, eos=eos) | overrides

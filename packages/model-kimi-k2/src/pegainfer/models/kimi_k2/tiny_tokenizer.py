@@ -4,14 +4,16 @@ A byte-level BPE of a few hundred merges, trained with Kimi's split regex on cor
 corpus, written as `tiktoken.model`; Kimi's special tokens at their real offsets among the 256
 reserved ids after it (`[BOS]` at base + 0, `<|im_end|>` at base + 2, the tool-call markers at
 base + 11 .. 15, K2-Thinking's `<think>` and `</think>` at base + 22 and 23, not special);
-`tokenizer_config.json` as Moonshot's names them; a chat template in Kimi-K2-Thinking's layout;
-and `generation_config.json`, whose end of turn is `<|im_end|>`. No `tokenizer.json`: loading
-it takes the conversion real Kimi checkpoints need.
+`tokenizer_config.json` as Moonshot's names them; a chat template in Kimi-K2-Thinking's layout
+(or Kimi-K2-Instruct's, which writes no thinking); and `generation_config.json`, whose end of
+turn is `<|im_end|>`. No `tokenizer.json`: loading it takes the conversion real Kimi
+checkpoints need.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -48,10 +50,16 @@ SPECIAL_OFFSETS = {
 # them from the answer's text).
 NOT_SPECIAL = {"<think>": 22, "</think>": 23}
 
+# The part of the tiny template that K2-Instruct's lacks: each assistant turn's thinking.
+_THINKING_PART = re.compile(r"\{#- thinking -#\}.*?\{#- /thinking -#\}\n", re.DOTALL)
 
-def write_tiny_kimi_tokenizer(out_dir: Path, base_vocab_size: int = 768) -> int:
-    """Write the tiny tokenizer's files into `out_dir` (the same bytes on every run); returns
-    the vocabulary size, the 256 reserved ids included (Kimi-K2's `vocab_size` counts them)."""
+
+def write_tiny_kimi_tokenizer(
+    out_dir: Path, base_vocab_size: int = 768, thinking: bool = True
+) -> int:
+    """Write the tiny tokenizer's files into `out_dir` (the same bytes on every run), with
+    K2-Thinking's chat template (`thinking` False: K2-Instruct's); returns the vocabulary size,
+    the 256 reserved ids included (Kimi-K2's `vocab_size` counts them)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ranks = byte_level_bpe_ranks(train_tiny_bpe(SPLIT_PATTERN, base_vocab_size))
@@ -79,7 +87,10 @@ def write_tiny_kimi_tokenizer(out_dir: Path, base_vocab_size: int = 768) -> int:
     }
     (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     template = resources.files("pegainfer.models.kimi_k2").joinpath("tiny_chat_template.jinja")
-    (out_dir / CHAT_TEMPLATE_FILE).write_text(template.read_text(encoding="utf-8"))
+    source = template.read_text(encoding="utf-8")
+    if not thinking:
+        source = _THINKING_PART.sub("", source)
+    (out_dir / CHAT_TEMPLATE_FILE).write_text(source)
     generation = {
         "bos_token_id": base + SPECIAL_OFFSETS["[BOS]"],
         "eos_token_id": base + SPECIAL_OFFSETS["<|im_end|>"],
