@@ -5,7 +5,6 @@ constrained to GLM's own tags."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from functools import partial
 from pathlib import Path
@@ -20,6 +19,7 @@ from pegainfer.server.parsers import registry
 from pegainfer.server.reasoning import GlmThinkSplitter
 from pegainfer.server.structured import forced_tool_calls
 from pegainfer.server.tool_calls import GlmToolCalls, ToolCall, whole_calls
+from tests.server.answer_cuts import cuts, feed
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -74,22 +74,14 @@ TOOL_CASES = [
 
 
 def parse(pieces: list[str], tools=TOOLS) -> tuple[str, list[tuple[str, str]], list[ToolCall]]:
-    parser = AnswerParser(None, partial(GlmToolCalls.for_request, tools))
-    content, calls = "", []
-    for n, piece in enumerate(pieces):
-        _, text, new = parser.feed(piece, last=n == len(pieces) - 1)
-        content += text
-        calls += new
+    _, content, calls = feed(AnswerParser(None, partial(GlmToolCalls.for_request, tools)), pieces)
     return content, [(c.name, c.arguments) for c in whole_calls(calls)], calls
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), TOOL_CASES)
 def test_calls_whole_and_cut_anywhere(text, content, calls):
-    assert parse([text])[:2] == (content, calls)
-    for i in range(len(text) + 1):
-        assert parse([text[:i], text[i:]])[:2] == (content, calls), i
-    for i, j in itertools.combinations_with_replacement(range(0, len(text) + 1, 5), 2):
-        assert parse([text[:i], text[i:j], text[j:]])[:2] == (content, calls), (i, j)
+    for pieces in cuts(text, step=5):
+        assert parse(pieces)[:2] == (content, calls), pieces
 
 
 def test_token_by_token_matches_whole():
@@ -146,18 +138,12 @@ THINKING_CASES = [
 
 @pytest.mark.parametrize(("text", "kwargs", "reasoning", "content", "names"), THINKING_CASES)
 def test_reasoning_split_cut_anywhere(text, kwargs, reasoning, content, names):
-    def split(pieces):
+    for pieces in cuts(text, step=7):
         parser = AnswerParser(lambda: GlmThinkSplitter.for_request(kwargs),
                               partial(GlmToolCalls.for_request, TOOLS))  # fmt: skip
-        got = ["", "", []]
-        for n, piece in enumerate(pieces):
-            r, c, calls = parser.feed(piece, last=n == len(pieces) - 1)
-            got[0], got[1], got[2] = got[0] + r, got[1] + c, got[2] + calls
-        return got[0], got[1], [c.name for c in whole_calls(got[2])]
-
-    assert split([text]) == (reasoning, content, names)
-    for i in range(len(text) + 1):
-        assert split([text[:i], text[i:]]) == (reasoning, content, names), i
+        got_reasoning, got_content, calls = feed(parser, pieces)
+        assert (got_reasoning, got_content, [c.name for c in whole_calls(calls)]) == (
+            reasoning, content, names), pieces  # fmt: skip
 
 
 def test_registered_under_vllms_names():

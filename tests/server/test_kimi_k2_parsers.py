@@ -4,7 +4,6 @@ calls left as text; tool_choice "required" and named constrained to Kimi's own f
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from pegainfer.server.chat import AnswerParser
 from pegainfer.server.reasoning import KimiK2ThinkSplitter
 from pegainfer.server.structured import forced_tool_calls
 from pegainfer.server.tool_calls import KimiK2ToolCalls, ToolCall, whole_calls
+from tests.server.answer_cuts import cuts, feed
 
 BEGIN, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 
@@ -62,22 +62,15 @@ TOOL_CASES = [
 
 
 def parse(pieces: list[str]) -> tuple[str, list[tuple[str, str, str]], list[ToolCall]]:
-    parser, content, calls = AnswerParser(None, KimiK2ToolCalls), "", []
-    for n, piece in enumerate(pieces):
-        _, text, new = parser.feed(piece, last=n == len(pieces) - 1)
-        content += text
-        calls += new
+    _, content, calls = feed(AnswerParser(None, KimiK2ToolCalls), pieces)
     whole = [(c.id, c.name, c.arguments) for c in whole_calls(calls)]
     return content, whole, calls
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), TOOL_CASES)
 def test_calls_whole_and_cut_anywhere(text, content, calls):
-    assert parse([text])[:2] == (content, calls)
-    for i in range(len(text) + 1):
-        assert parse([text[:i], text[i:]])[:2] == (content, calls), i
-    for i, j in itertools.combinations_with_replacement(range(0, len(text) + 1, 7), 2):
-        assert parse([text[:i], text[i:j], text[j:]])[:2] == (content, calls), (i, j)
+    for pieces in cuts(text, step=7):
+        assert parse(pieces)[:2] == (content, calls), pieces
 
 
 def test_arguments_stream_as_they_arrive():
@@ -118,17 +111,11 @@ THINKING_CASES = [
 
 @pytest.mark.parametrize(("text", "kwargs", "reasoning", "content", "names"), THINKING_CASES)
 def test_reasoning_split_cut_anywhere(text, kwargs, reasoning, content, names):
-    def split(pieces):
+    for pieces in cuts(text, step=7):
         parser = AnswerParser(lambda: KimiK2ThinkSplitter.for_request(kwargs), KimiK2ToolCalls)
-        got = ["", "", []]
-        for n, piece in enumerate(pieces):
-            r, c, calls = parser.feed(piece, last=n == len(pieces) - 1)
-            got[0], got[1], got[2] = got[0] + r, got[1] + c, got[2] + calls
-        return got[0], got[1], [c.name for c in whole_calls(got[2])]
-
-    assert split([text]) == (reasoning, content, names)
-    for i in range(len(text) + 1):
-        assert split([text[:i], text[i:]]) == (reasoning, content, names), i
+        got_reasoning, got_content, calls = feed(parser, pieces)
+        assert (got_reasoning, got_content, [c.name for c in whole_calls(calls)]) == (
+            reasoning, content, names), pieces  # fmt: skip
 
 
 TOOLS = [

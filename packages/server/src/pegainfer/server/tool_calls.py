@@ -663,6 +663,10 @@ class GlmToolCalls(TaggedToolCalls):
     a string is its text as written and streams as it arrives; any other goes out once its
     closing tag is in, read (stripped) as the JSON type its schema allows."""
 
+    # GLM's tokenizers leave the tags out of the special tokens; vLLM's glm45/glm47 decode with
+    # special tokens kept all the same, lest a checkpoint that counts them special lose its calls.
+    needs_special_tokens = True
+
     def __init__(self, parameters: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__()
         self._parameters = parameters or {}  # function -> its parameters' schema
