@@ -5,8 +5,10 @@ is content. Inside, Qwen3 (hermes style) writes a JSON object `{"name": ..., "ar
 {...}}`; Qwen3.5 and Qwen3-Coder write XML, `<function=NAME>` holding one
 `<parameter=KEY>VALUE</parameter>` per argument. Kimi-K2 writes its calls in special tokens,
 a section of `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}
-<|tool_call_end|>` (see `KimiK2ToolCalls`). Under tool_choice "required" or a named function
-the model writes JSON the grammar holds it to (`ForcedToolCalls`).
+<|tool_call_end|>` (see `KimiK2ToolCalls`). GLM-4.5 … GLM-5 write `<tool_call>NAME` then
+`<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` per argument, values bare (see
+`GlmToolCalls`). Under tool_choice "required" or a named function the model writes JSON the
+grammar holds it to (`ForcedToolCalls`), or, for Kimi and GLM, its own format.
 
 Streamed, every call goes out as its arguments arrive, as vLLM's parsers send them: a first
 piece with the call's id and name, then pieces of its arguments' JSON, whose concatenation is
