@@ -3,11 +3,13 @@
 The line maps each checkpoint tensor name to a parameter and a row offset in it (so q/k/v can
 land in one fused qkv matrix); this module reads the files (sharded or not, memory-mapped),
 converts dtypes, checks shapes, and proves every parameter row was written exactly once.
-The memory maps are closed file by file, so nothing of the checkpoint stays mapped.
+The memory maps are closed file by file, so nothing of the checkpoint stays mapped. On a GPU
+the tensors go over through page-locked staging buffers (`staging.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from pegainfer.core.errors import ConfigError, WeightLoadError
+from pegainfer.core.loading.staging import StagedCopies
 from pegainfer.core.quant.scheme import (
     INT4_SHAPE_SUFFIX,
     Int4Group,
@@ -142,7 +145,12 @@ def load_weights(
     refused."""
     written: dict[str, int] = dict.fromkeys(params, 0)
     int4_shapes = _Int4Shapes()
-    with torch.no_grad():
+    devices = {param.device for param in params.values()}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    # On a GPU through page-locked staging buffers; on the CPU straight from the map.
+    staging = StagedCopies(device) if device.type == "cuda" else contextlib.nullcontext()
+    with torch.no_grad(), staging:
+        copy = staging.copy if isinstance(staging, StagedCopies) else torch.Tensor.copy_
         for name, full in iter_tensors(checkpoint_files(model_dir), progress):
             module, fmt, part = _quantized_part(name, scheme)
             mapped = name_map(f"{module}.weight" if fmt is not None else name)
@@ -161,12 +169,12 @@ def load_weights(
                             f"checkpoint tensor {name!r} holds scales of a quantized weight, "
                             f"but the model built {target.param!r} unquantized"
                         )
-                    _write(params, written, name, full, target)
+                    _write(params, written, name, full, target, copy)
                     continue
                 stored = _stored_target(params, name, full, target, fmt, part)
                 if part == fmt.parts[0] and isinstance(fmt, Int4Group):
                     int4_shapes.packed[module] = (full.shape[0], full.shape[1] * part.cols_per)
-                _write(params, written, name, full, stored, part=part)
+                _write(params, written, name, full, stored, copy, part=part)
     _check_complete(params, written, model_dir)
     int4_shapes.check(model_dir)
 
@@ -275,9 +283,11 @@ def _write(
     name: str,
     full: torch.Tensor,
     target: WeightTarget,
+    copy: Callable[[torch.Tensor, torch.Tensor], object],
     part: StoredPart | None = None,
 ) -> None:
-    """Copy the part of checkpoint tensor `name` that `target` selects into its parameter."""
+    """Copy (`copy(dst, src)`) the part of checkpoint tensor `name` that `target` selects into
+    its parameter."""
     param = params.get(target.param)
     if param is None:
         raise WeightLoadError(
@@ -307,7 +317,7 @@ def _write(
             f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but parameter "
             f"{target.param!r} expects {tuple(region.shape)}"
         )
-    region.copy_(tensor)
+    copy(region, tensor)
     written[target.param] += region.shape[0] if region.dim() > 0 else 1
 
 
