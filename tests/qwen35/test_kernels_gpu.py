@@ -142,8 +142,8 @@ def test_chunked_gated_delta_rule(
 ):
     """Several sequences (lengths off the 64-token grid) from nonzero states in shuffled
     slots, checkpoints inside chunks and at their ends; outputs, final states and
-    checkpoints against the float32 reference. bf16 inputs enter the products exactly; the
-    float32 ones as hi + lo bf16 pieces (16 bits of mantissa), hence their tolerance."""
+    checkpoints against the float32 reference (the products are bf16 tensor-core products
+    to float32 accuracy: bf16 inputs enter exactly, float32 operands in three pieces)."""
     from pegainfer.models.qwen35.kernels import ChunkPlan, DeltaNetShape, chunked_gated_delta_rule
 
     tokens = sum(lengths)
@@ -159,7 +159,7 @@ def test_chunked_gated_delta_rule(
     shape = DeltaNetShape(key_heads, value_heads, dim, dim)
     out = torch.full((tokens, value_heads, dim), float("nan"), dtype=dtype, device=device)
     chunked_gated_delta_rule(qkv, proj, a_log, dt_bias, states, plan, shape, out)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
     for i, slot in enumerate(slots):
         rows = slice(bounds[i], bounds[i + 1])
         args = (a_log, dt_bias)
@@ -280,7 +280,7 @@ def test_delta_net_layer_over_a_mixed_step(dtype, device="cuda"):
     with torch.inference_mode():
         ours = layer(x, batch, conv[0], recurrent[0], step)
         ref = layer(x, batch, conv_ref[0], recurrent_ref[0], None)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(ours, ref) < tol
     assert rel_err(conv, conv_ref) < 1e-6
     assert rel_err(recurrent, recurrent_ref) < tol

@@ -16,8 +16,8 @@ state in place in its slot of the layer's state arena.
   16-row blocks and applied to the keys and values (the WY factors `W`, `U`); one program per
   (sequence, value head, value block) carries the state across its chunks, the only sequential
   part; per chunk again, the outputs. Products run on bf16 tensor cores with float32
-  accumulation (`_mm`: exact for a bf16 model's q, k and v, 16-bit-mantissa pieces for float32
-  operands); the state, the inverse and every intermediate stay float32.
+  accumulation to float32 accuracy (`_mm`: a bf16 model's q, k and v enter exactly, float32
+  operands as three bf16 pieces); the state, the inverse and every intermediate stay float32.
 
 The gates are computed inside the kernels from the projection's raw `a` and `b` columns:
 `g = -exp(A_log) softplus(a + dt_bias)` and `beta = sigmoid(b)` (rounded to the input dtype, as
@@ -301,36 +301,48 @@ def _decayed(x, c_rows, c_cols, causal_diagonal: tl.constexpr, BC: tl.constexpr)
 
 @triton.jit
 def _split(x):
-    """x (float32) as hi + lo, two bf16 tiles: hi holds its first 8 significant bits, lo the
-    next 8."""
+    """x (float32) as hi + mid + lo, three bf16 tiles of 8 significant bits each: together
+    float32's 24 (each residual is exact in float32)."""
     hi = x.to(tl.bfloat16)
-    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
 def _mm(a, b, SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr):
-    """a @ b on bf16 tensor cores, accumulated in float32.
+    """a @ b on bf16 tensor cores, accumulated in float32, to float32 accuracy.
 
     An operand whose values bf16 holds exactly (the raw q, k and v of a bf16 model, SPLIT
-    False) goes in as one bf16 tile and costs no accuracy: its products with the other
-    operand's bf16 pieces are exact, and only the float32 accumulation rounds. A float32
-    operand (SPLIT True) goes in as hi + lo, so it keeps 16 bits of mantissa rather than
-    bf16's 8 (relative error ~2^-17, against TF32's 2^-11); the lo x lo product, ~2^-16 of
-    the whole, is left out."""
+    False) goes in as one bf16 tile: its products are exact and only the float32
+    accumulation rounds. A float32 operand (SPLIT True) goes in as its three bf16 pieces
+    (`_split`); the product keeps every term down to 2^-16 of the whole (hi.hi, the two
+    hi.mid, hi.lo and mid.mid when both are split), smallest first. Two pieces (16 bits) were
+    not enough: on the tiny checkpoint's bf16 forward test the logprobs drifted measurably
+    further from transformers than with exact float32 products."""
     if SPLIT_A:
-        a_hi, a_lo = _split(a.to(tl.float32))
+        a_hi, a_mid, a_lo = _split(a.to(tl.float32))
     else:
         a_hi = a.to(tl.bfloat16)
     if SPLIT_B:
-        b_hi, b_lo = _split(b.to(tl.float32))
+        b_hi, b_mid, b_lo = _split(b.to(tl.float32))
     else:
         b_hi = b.to(tl.bfloat16)
-    acc = tl.dot(a_hi, b_hi)
-    if SPLIT_A:
+    if SPLIT_A and SPLIT_B:
+        acc = tl.dot(a_mid, b_mid)
         acc = tl.dot(a_lo, b_hi, acc)
-    if SPLIT_B:
         acc = tl.dot(a_hi, b_lo, acc)
-    return acc
+        acc = tl.dot(a_mid, b_hi, acc)
+        acc = tl.dot(a_hi, b_mid, acc)
+    elif SPLIT_A:
+        acc = tl.dot(a_lo, b_hi)
+        acc = tl.dot(a_mid, b_hi, acc)
+    elif SPLIT_B:
+        acc = tl.dot(a_hi, b_lo)
+        acc = tl.dot(a_hi, b_mid, acc)
+    else:
+        acc = tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32)
+    return tl.dot(a_hi, b_hi, acc)
 
 
 @triton.jit
@@ -662,7 +674,7 @@ def chunked_gated_delta_rule(
     flash-linear-attention splits the work: the WY factors of every chunk (independent),
     the state across each sequence's chunks (sequential), the outputs of every chunk
     (independent). The products run on bf16 tensor cores in float32 accumulation (`_mm`):
-    a bf16 model's q, k and v enter them exactly, float32 operands as hi + lo pieces; the
+    a bf16 model's q, k and v enter them exactly, float32 operands as three bf16 pieces; the
     state and every intermediate stay float32.
     """
     heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
