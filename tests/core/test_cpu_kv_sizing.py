@@ -58,5 +58,8 @@ def test_engine_sizes_a_tiny_model_at_the_floor(tiny):
 def test_engine_takes_the_flag_and_refuses_a_budget_below_one_sequence(tiny):
     engine = EngineCore(EngineArgs(model=str(tiny), device="cpu", cpu_kv_cache_gib=0.25))
     assert engine.kv_cache.nbytes == 256 * MIB
+    engine = EngineCore(EngineArgs(model=str(tiny), device="cpu",
+                                   kv_cache_memory_bytes=100 * MIB))  # fmt: skip
+    assert engine.kv_cache.nbytes == 100 * MIB  # vLLM's flag, on the CPU too
     with pytest.raises(ConfigError, match="fewer than one sequence of max_model_len"):
         EngineCore(EngineArgs(model=str(tiny), device="cpu", cpu_kv_cache_gib=0.001))

@@ -69,11 +69,19 @@ def test_valid_params_pass():
         ("block_size", 12, "block_size must be a power of two"),
         ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
         ("cpu_kv_cache_gib", 0, "cpu_kv_cache_gib"),
+        ("kv_cache_memory_bytes", 0, "kv_cache_memory_bytes must be a positive integer"),
     ],
 )
 def test_bad_engine_args(field, value, message):
     with pytest.raises(ConfigError, match=message):
         EngineArgs(model="x", **{field: value}).validate()
+
+
+def test_the_kv_cache_takes_one_size():
+    with pytest.raises(ConfigError, match="one size, not --num-kv-blocks and --kv-cache-memory"):
+        EngineArgs(model="x", num_kv_blocks=8, kv_cache_memory_bytes=1 << 20).validate()
+    with pytest.raises(ConfigError, match="not --kv-cache-memory-bytes and --cpu-kv-cache-gib"):
+        EngineArgs(model="x", kv_cache_memory_bytes=1 << 20, cpu_kv_cache_gib=1.0).validate()
 
 
 def test_dtype_resolution():

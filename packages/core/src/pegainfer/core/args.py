@@ -62,6 +62,12 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.90, "Fraction of GPU memory the engine may use for weights, activations and KV cache."
     )
+    kv_cache_memory_bytes: int | None = _arg(
+        None,
+        "The KV cache's size in bytes (with the recurrent state of lines that keep one), as "
+        "vLLM's flag: on a GPU instead of what gpu_memory_utilization leaves, with no "
+        "profiling step at start; on the CPU instead of --cpu-kv-cache-gib.",
+    )
     cpu_kv_cache_gib: float | None = _arg(
         None,
         "On the CPU, the memory (GiB) of the KV cache when not sized by blocks; by default as "
@@ -192,6 +198,11 @@ class EngineArgs:
             raise ConfigError(f"kv_offload_gib must be positive, got {self.kv_offload_gib}")
         if self.state_checkpoints < 0:
             raise ConfigError(f"state_checkpoints must be 0 or more, got {self.state_checkpoints}")
+        sizing = ("num_kv_blocks", "kv_cache_memory_bytes", "cpu_kv_cache_gib")
+        sizes = [f"--{n.replace('_', '-')}" for n in sizing if getattr(self, n) is not None]
+        if len(sizes) > 1:
+            raise ConfigError(f"give the KV cache one size, not {' and '.join(sizes)}")
+        positive("kv_cache_memory_bytes")
         if self.cpu_kv_cache_gib is not None and self.cpu_kv_cache_gib <= 0:
             raise ConfigError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
         if self.kv_events_config is not None:

@@ -6,8 +6,11 @@ stop strings belong to the frontend; the engine handles stops it can see in toke
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,7 +51,12 @@ from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
 from pegainfer.core.process_info import StartupLog
 from pegainfer.core.runner.cuda_graphs import graph_buckets
 from pegainfer.core.runner.forward_batch import Feed, ForwardBatch, LogitsRows, to_device
-from pegainfer.core.runner.memory import KVSizing, cpu_kv_blocks, fit_kv_blocks
+from pegainfer.core.runner.memory import (
+    KVSizing,
+    cpu_kv_blocks,
+    fit_kv_blocks,
+    given_gpu_kv_blocks,
+)
 from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunner
 from pegainfer.core.runner.piecewise_graphs import token_buckets
 from pegainfer.core.runner.warmup import WarmupShape, warm_up
@@ -189,6 +197,10 @@ class EngineCore:
             )
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, model_config, device)
+        # The attention backends' library imports while the weights load (`_set_up` waits).
+        self._backend_import = (
+            _import_in_background("flashinfer") if device.type == "cuda" else None
+        )
         logger.info(
             "Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype
         )
@@ -253,6 +265,8 @@ class EngineCore:
         )
         if self.ranks is not None:
             self.ranks.init_runtime(runtime)
+        if self._backend_import is not None:
+            self._backend_import.join()
         self.model.init_runtime(runtime)
         specs = self.model.kv_arenas(args.block_size)
         states = self.model.state_arenas()
@@ -475,11 +489,16 @@ class EngineCore:
         num_slots: int,
         mixed_graphs: bool,
     ) -> int:
+        given = args.kv_cache_memory_bytes
         if device.type == "cpu":
-            gib = args.cpu_kv_cache_gib
+            if args.cpu_kv_cache_gib is not None:
+                given = int(args.cpu_kv_cache_gib * _GIB)
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             return cpu_kv_blocks(specs, args.block_size, args.max_num_seqs, max_model_len,
-                                 weights, None if gib is None else int(gib * _GIB))  # fmt: skip
+                                 weights, given)  # fmt: skip
+        if given is not None:
+            state_bytes = num_slots * sum(s.bytes_per_slot for s in self.model.state_arenas())
+            return given_gpu_kv_blocks(specs, state_bytes, given, device)
         sizing = KVSizing(args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
                           max_model_len, args.gpu_memory_utilization, num_slots,
                           mixed_graphs)  # fmt: skip
@@ -804,6 +823,19 @@ class EngineCore:
             error=request.error,
             timing=timing,
         )
+
+
+def _import_in_background(module: str) -> threading.Thread:
+    """Import `module` on a thread of its own (an import of it elsewhere meanwhile waits for
+    this one: the import lock); a failure is left to that later import to raise."""
+
+    def run() -> None:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+
+    thread = threading.Thread(target=run, name=f"pegainfer-import-{module}", daemon=True)
+    thread.start()
+    return thread
 
 
 def _check_forward(line: ModelLine, runner: ModelRunner, block_size: int, states: bool) -> None:

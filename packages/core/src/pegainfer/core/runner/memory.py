@@ -131,6 +131,27 @@ def cpu_kv_blocks(
     return min(useful, blocks_for_memory(specs, budget_bytes))
 
 
+def given_gpu_kv_blocks(
+    specs: list[ArenaSpec], state_bytes: int, memory_bytes: int, device: torch.device
+) -> int:
+    """`--kv-cache-memory-bytes` on a GPU: the blocks that fit in `memory_bytes` beside the
+    recurrent state, with no profiling step (refused past the memory free now)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    if memory_bytes > free:
+        raise ConfigError(
+            f"--kv-cache-memory-bytes {memory_bytes} is more than the {free} bytes free on "
+            f"{device} once the weights are loaded"
+        )
+    num_blocks = blocks_for_memory(specs, memory_bytes - state_bytes)
+    if num_blocks < 1:
+        raise ConfigError(
+            f"--kv-cache-memory-bytes {memory_bytes} leaves no KV block beside the "
+            f"{state_bytes} bytes of recurrent state"
+        )
+    logger.info("KV cache: %.2f GiB as given (no profiling step)", memory_bytes / GIB)
+    return num_blocks
+
+
 @dataclass(frozen=True)
 class KVSizing:
     """What the KV cache's size on a GPU depends on besides the model (under tensor
