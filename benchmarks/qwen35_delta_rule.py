@@ -6,7 +6,8 @@ For each case (one prompt of 1k or 4k tokens; 16 or 64 decodes beside a 1k-token
 one DeltaNet layer of a mixed step runs them, planned by the model's own `DeltaNetStep`): the
 median time of the layer's conv, its chunked delta rule and its recurrent one, each kernel's
 time at the default launch parameters (torch.profiler), and the chunked rule over a sweep of
-its launch parameters (`kernels.ChunkLaunch`).
+its launch parameters (`kernels.ChunkLaunch`; with --sweep, each in a process of its own, so a
+launch that faults is recorded as such and the others still run).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -56,7 +59,9 @@ def median_ms(fn: Callable[[], object], iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def run_case(lengths: list[int], device: torch.device) -> dict:
+def run_case(
+    lengths: list[int], device: torch.device, launch: kernels.ChunkLaunch = DEFAULT
+) -> dict:
     g = torch.Generator(device).manual_seed(len(lengths))
     heads, dim = SHAPE.num_value_heads, SHAPE.value_dim
     channels, tokens, seqs = SHAPE.conv_channels, sum(lengths), len(lengths)
@@ -85,7 +90,7 @@ def run_case(lengths: list[int], device: torch.device) -> dict:
 
     qkv = conv()
 
-    def chunked(launch: kernels.ChunkLaunch = DEFAULT) -> None:
+    def chunked() -> None:
         kernels.chunked_gated_delta_rule(
             qkv, proj, a_log, dt_bias, states, step.chunks, SHAPE, out, launch
         )
@@ -110,29 +115,44 @@ def run_case(lengths: list[int], device: torch.device) -> dict:
         if event.device_time_total > 0 and event.key.startswith("_"):
             per_kernel[event.key] += event.device_time_total / 5 / 1e3
     result["kernel_ms"] = dict(sorted(per_kernel.items()))
-    result["sweep"] = [
-        {
-            **dataclasses.asdict(launch),
-            "chunked_ms": median_ms(lambda launch=launch: chunked(launch)),
-        }
-        for launch in SWEEP
-    ]
     return result
+
+
+def sweep(cases: list[str]) -> list[dict]:
+    """The chunked rule's time per case under each launch of SWEEP, each in a fresh process
+    (a fault ends only its own)."""
+    rows = []
+    for launch in SWEEP:
+        config = json.dumps(dataclasses.asdict(launch))
+        command = [sys.executable, __file__, "--cases", ",".join(cases), "--launch", config]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        row: dict = dataclasses.asdict(launch)
+        if run.returncode != 0:
+            row["error"] = run.stderr.strip().splitlines()[-1] if run.stderr else "failed"
+        else:
+            times = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+            row |= {t["case"]: t["chunked_ms"] for t in times}
+        print(json.dumps({"sweep": row}), flush=True)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     parser.add_argument("--cases", default=",".join(CASES), help="which of " + ",".join(CASES))
+    parser.add_argument("--sweep", action="store_true", help="also time every launch of SWEEP")
+    parser.add_argument("--launch", default=None, help="a ChunkLaunch as JSON (used by --sweep)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    results = {"revision": git_revision(), "gpu": torch.cuda.get_device_name(device)}
-    for name in args.cases.split(","):
-        results[name] = run_case(CASES[name], device)
-        case = results[name]
-        best = min(case["sweep"], key=lambda row: row["chunked_ms"])
-        print(json.dumps({"case": name, **{k: v for k, v in case.items() if k != "sweep"},
-                          "best": best}))  # fmt: skip
+    cases = args.cases.split(",")
+    launch = kernels.ChunkLaunch(**json.loads(args.launch)) if args.launch else DEFAULT
+    results: dict = {"revision": git_revision(), "gpu": torch.cuda.get_device_name(device)}
+    for name in cases:
+        results[name] = run_case(CASES[name], device, launch)
+        print(json.dumps({"case": name, **results[name]}), flush=True)
+    if args.sweep:
+        results["sweep"] = sweep(cases)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -10,8 +10,8 @@
 #            64 in flight (128 prompts), against `pegainfer-server` with SERVER_FLAGS;
 # multiturn: 20 conversations x 5 turns, 10 in flight (the prefix hits come back per turn);
 # kernels:   benchmarks/qwen35_delta_rule.py: one DeltaNet layer's conv and delta rule at 4B
-#            shapes (1k/4k prompts, 16/64 decodes beside a 1k prompt), per kernel, with a sweep
-#            of the chunk kernels' launch parameters.
+#            shapes (1k/4k prompts, 16/64 decodes beside a 1k prompt), per kernel (DELTA_SWEEP=1:
+#            also the chunk kernels' launch parameters, each in a process of its own).
 set -uo pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
 STAGES=${STAGES:-"tests step serve"}
@@ -83,7 +83,7 @@ for stage in $STAGES; do
       ;;
     kernels)
       timeout 300 python3 benchmarks/qwen35_delta_rule.py --out "$OUT/delta_rule.json" \
-        > "$OUT/delta_rule.log" 2>&1
+        ${DELTA_SWEEP:+--sweep --cases prompt_1k,decode_64_beside_1k} > "$OUT/delta_rule.log" 2>&1
       echo "kernels: exit $?"; grep -E '^\{' "$OUT/delta_rule.log"
       ;;
     *) echo "unknown stage $stage" ;;
