@@ -34,7 +34,8 @@ for stage in $STAGES; do
   case $stage in
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/core/test_plan_buffers_gpu.py \
-        tests/core/test_warmup_gpu.py tests/core/test_staging_gpu.py ${MORE_TESTS:-} \
+        tests/core/test_warmup_gpu.py tests/core/test_staging_gpu.py \
+        tests/core/test_kv_sizing_gpu.py ${MORE_TESTS:-} \
         > "$OUT/tests.log" 2>&1
       echo "tests: exit $? ($(tail -1 "$OUT/tests.log"))"
       ;;

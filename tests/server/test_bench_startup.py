@@ -38,6 +38,9 @@ def test_startup_cold_and_warm(tiny_model, tmp_path):
         assert 0 < run["ready_s"] < 60
         # torch keeps a few hundred MiB resident in each of the server and engine processes.
         assert 100 < run["idle_rss_mib"] < 1024
+        # The two processes share torch's libraries: their PSS is below the RSS sum.
+        assert 50 < run["idle_pss_mib"] < run["idle_rss_mib"]
+        assert run["idle_rss_anon_mib"] + run["idle_rss_file_mib"] <= run["idle_rss_mib"] + 1
         assert run["processes"] >= 2
         names = [phase["phase"] for phase in run["phases"]]
         assert names[0] == "model loaded" and names[-1] == "engine ready", names

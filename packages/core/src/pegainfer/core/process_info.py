@@ -32,6 +32,26 @@ def rss_bytes(pid: int | None = None) -> int:
     return 0  # a zombie has no memory left
 
 
+def memory_kinds(pid: int | None = None) -> dict[str, int]:
+    """Bytes of process `pid` (this one by default) by kind: resident anonymous memory (heap,
+    pinned buffers), resident file pages (libraries, memory maps: shared with any process that
+    maps the same files, so a sum of RSS counts them once per process) and its proportional
+    set size (each shared page split among the processes holding it). Empty for a process
+    that has exited."""
+    kinds: dict[str, int] = {}
+    try:
+        status = Path(f"/proc/{pid or 'self'}/status").read_text()
+        rollup = Path(f"/proc/{pid or 'self'}/smaps_rollup").read_text()
+    except OSError:
+        return kinds
+    for text, fields in ((status, ("RssAnon", "RssFile", "RssShmem")), (rollup, ("Pss",))):
+        for line in text.splitlines():
+            name, _, value = line.partition(":")
+            if name in fields:
+                kinds[name.lower().replace("rss", "rss_")] = int(value.split()[0]) * 1024
+    return kinds
+
+
 class StartupLog:
     """Logs `start-up: <phase>` lines with the process's age, its RSS and the RSS the phase
     added."""

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from pegainfer.core.process_info import memory_kinds
 from pegainfer.core.process_info import rss_bytes as process_rss
 
 _PROC = Path("/proc")
@@ -29,6 +30,16 @@ def descendants(pid: int) -> list[int]:
 def rss_bytes(pids: list[int]) -> int:
     """Sum of VmRSS over `pids` (processes that exited meanwhile count as 0)."""
     return sum(process_rss(pid) for pid in pids)
+
+
+def memory_by_kind(pids: list[int]) -> dict[str, int]:
+    """Sums over `pids` of `memory_kinds`: anonymous and file-backed RSS, and PSS (the tree's
+    own share of the shared pages: what it costs the machine)."""
+    total: dict[str, int] = {}
+    for pid in pids:
+        for kind, value in memory_kinds(pid).items():
+            total[kind] = total.get(kind, 0) + value
+    return total
 
 
 def gpu_bytes(pids: list[int]) -> int | None:

@@ -30,7 +30,12 @@ import httpx
 
 from pegainfer.server.bench import report
 from pegainfer.server.bench.options import non_negative_int, subcommand
-from pegainfer.server.bench.process_tree import descendants, gpu_bytes, rss_bytes
+from pegainfer.server.bench.process_tree import (
+    descendants,
+    gpu_bytes,
+    memory_by_kind,
+    rss_bytes,
+)
 
 _POLL_S = 0.02
 # `StartupLog`'s lines (pegainfer.core.process_info).
@@ -100,9 +105,11 @@ def run_once(
         time.sleep(settle_s)
         tree = descendants(process.pid)
         gpu = gpu_bytes(tree)
+        kinds = {f"idle_{kind}_mib": value / 2**20 for kind, value in memory_by_kind(tree).items()}
         return {
             "ready_s": ready_s,
             "idle_rss_mib": rss_bytes(tree) / 2**20,
+            **kinds,
             "processes": len(tree),
             "gpu_mib": None if gpu is None else gpu / 2**20,
             "phases": phases(log_path.read_text()),
@@ -129,8 +136,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             run = run_once(args.model_path, args.port, args.server_args, cache_dir,
                            args.settle, args.timeout, log)  # fmt: skip
             gpu = "" if run["gpu_mib"] is None else f", GPU {run['gpu_mib']:.0f} MiB"
+            pss = run.get("idle_pss_mib")
+            pss = "" if pss is None else f" (PSS {pss:.0f} MiB)"
             print(f"{cache} run {len(runs)}: ready in {run['ready_s']:.2f} s, idle RSS "
-                  f"{run['idle_rss_mib']:.0f} MiB over {run['processes']} processes{gpu}",
+                  f"{run['idle_rss_mib']:.0f} MiB{pss} over {run['processes']} processes{gpu}",
                   flush=True)  # fmt: skip
             return {"cache": cache, **run}
 
