@@ -35,9 +35,10 @@ class SpoilingDrafter(Drafter):
 
     def propose(self, inputs: DraftInputs) -> Drafts:
         drafts = self.inner.propose(inputs)
+        positions = [r.num_tokens - 1 for r in inputs.drafted]
         tokens = [
             [(t + 1) % VOCAB if (position + i) % 3 == 1 else t for i, t in enumerate(row)]
-            for row, position in zip(drafts.tokens, inputs.positions, strict=True)
+            for row, position in zip(drafts.tokens, positions, strict=True)
         ]
         return Drafts(tokens, drafts.probs)
 

@@ -268,6 +268,9 @@ class EngineCore:
         if self._backend_import is not None:
             self._backend_import.join()
         self.model.init_runtime(runtime)
+        self.generator = torch.Generator(device).manual_seed(args.seed)
+        # Before the arenas are read: a line's drafter may bring its own (an MTP layer's KV).
+        drafter = self._drafter(args, line) if args.speculative_tokens else None
         specs = self.model.kv_arenas(args.block_size)
         states = self.model.state_arenas()
         prefix_caching = args.enable_prefix_caching and line.supports_prefix_caching
@@ -279,7 +282,11 @@ class EngineCore:
         if states and prefix_caching and not checkpoints:
             logger.info("prefix caching is off: no state checkpoints (--state-checkpoints 0)")
             prefix_caching = False
-        num_slots = args.max_num_seqs + checkpoints + int(bool(buckets)) if states else 0
+        # With speculative decoding, one more per sequence: its state before a verify step's
+        # drafts, to roll back to.
+        rollback = args.max_num_seqs if drafter is not None else 0
+        num_slots = (args.max_num_seqs + checkpoints + rollback + int(bool(buckets))
+                     if states else 0)  # fmt: skip
         state_bytes = num_slots * sum(spec.bytes_per_slot for spec in states)
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
             args, specs, device, max_model_len, num_slots, mixed_graphs
@@ -352,6 +359,7 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill,
             num_state_checkpoints=checkpoints,
             num_speculative_tokens=args.speculative_tokens,
+            rollback_slots=args.max_num_seqs + checkpoints if states and rollback else None,
         )
         events = KVEventsConfig.parse(args.kv_events_config or "{}")
         if events.publishes and not prefix_caching:
@@ -381,12 +389,10 @@ class EngineCore:
         self.scheduler: Scheduler | DataParallelScheduler = schedulers[0]
         if self.data_parallel_size > 1:
             self.scheduler = DataParallelScheduler(schedulers)
-        self.generator = torch.Generator(device).manual_seed(args.seed)
         self.requests: dict[str, Request] = {}
         self.async_scheduling = args.async_scheduling
         self.speculative: SpeculativeDecoding | None = None
-        if args.speculative_tokens:
-            drafter = self._drafter(args, line, bool(states))
+        if drafter is not None:
             self.speculative = SpeculativeDecoding(drafter, self.model.vocab_size, self.generator)
             if self.async_scheduling:
                 logger.info("speculative decoding runs its steps one after another (no async "
@@ -398,15 +404,16 @@ class EngineCore:
         self.grammars = Grammars(load_tokenizer, self.config.vocab_size)
         self._startup.mark("engine ready")
 
-    def _drafter(self, args: EngineArgs, line: ModelLine, recurrent: bool) -> Drafter:
+    def _drafter(self, args: EngineArgs, line: ModelLine) -> Drafter:
         """The drafter `--speculative-method` names, or why this line cannot speculate."""
         k = args.speculative_tokens
-        if recurrent:
-            raise ConfigError(
-                f"--speculative-tokens does not work with the {line.name!r} line yet: its "
-                "recurrent state is not rolled back to the last accepted token"
-            )
         if args.speculative_method == "self":
+            if self.model.state_arenas():
+                raise ConfigError(
+                    f"--speculative-method self does not work with the {line.name!r} line: its "
+                    "draft forwards would advance the recurrent state past the last accepted "
+                    "token"
+                )
             return SelfDrafter(self.runner, k, self.model.vocab_size, self.generator)
         drafter = self.model.build_drafter(k, self.runner)
         if drafter is None:
@@ -672,10 +679,26 @@ class EngineCore:
             if i in logprobs:
                 output.logprobs = logprobs[i][:taken]
             self._deliver(request, output, outputs)
-        live = [c.request for c in samplers if c.request.status is RequestStatus.RUNNING]
-        if live:
-            self.speculative.drafter.propose(DraftInputs.of(live)).assign(live)
+        self._roll_back(samplers, runs)
+        accepted = {id(chunk.request): len(run) - 1 for chunk, run in zip(samplers, runs,
+                                                                        strict=True)}  # fmt: skip
+        inputs = DraftInputs.of(step.chunks, batch, accepted)
+        drafted = inputs.drafted
+        if drafted:
+            self.speculative.drafter.propose(inputs).assign(drafted)
         return outputs
+
+    def _roll_back(self, samplers: list[ScheduledChunk], runs: list[list[int]]) -> None:
+        """Recurrent state of each running sequence that had drafts rejected goes back to
+        before its drafts (kept aside by the step: `ScheduledChunk.rollback`)."""
+        pairs = [(chunk.rollback[1], chunk.request.slot)
+                 for chunk, run in zip(samplers, runs, strict=True)
+                 if chunk.rollback is not None and len(run) - 1 < chunk.num_drafts
+                 and chunk.request.status is RequestStatus.RUNNING]  # fmt: skip
+        if pairs:
+            device = self.runner.device
+            sources, targets = (to_device(list(s), device) for s in zip(*pairs, strict=True))
+            self.kv_cache.copy_states(sources, targets)
 
     def _store_prompt_logprobs(
         self, scored: list[tuple[Request, int, list[int], ScoredTokens]]
@@ -777,7 +800,7 @@ class EngineCore:
             ],
             state_slots=[c.request.slot for c in step_chunks],
             state_restore=[c.restore_from for c in step_chunks],
-            state_snapshot=[c.snapshot and c.snapshot[:2] for c in step_chunks],
+            state_snapshot=[c.rollback or (c.snapshot and c.snapshot[:2]) for c in step_chunks],
             num_drafts=[c.num_drafts for c in step_chunks]
             if any(c.num_drafts for c in step_chunks)
             else [],

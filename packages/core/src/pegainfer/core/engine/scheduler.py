@@ -33,6 +33,10 @@ class SchedulerConfig:
     #: token, and a sampling chunk's blocks leave room for k positions more, where the
     #: drafter writes while proposing the next step's drafts.
     num_speculative_tokens: int = 0
+    #: Speculative decoding with recurrent state: the first of the slots (one per sequence
+    #: slot) where a verify step keeps each sequence's state as it was before its drafts, to
+    #: roll back to when some are rejected (None: no recurrent state).
+    rollback_slots: int | None = None
 
 
 @dataclass
@@ -47,6 +51,9 @@ class ScheduledChunk:
     num_drafts: int = 0
     #: Recurrent models: the checkpoint slot the sequence's state starts from (a prefix hit).
     restore_from: int | None = None
+    #: Recurrent models with drafts: (tokens into this chunk, slot) where the state before the
+    #: drafts is kept, restored when a draft is rejected.
+    rollback: tuple[int, int] | None = None
     #: Recurrent models: (tokens into this chunk, checkpoint slot, block hash) where the state
     #: is to be checkpointed for later prompts.
     snapshot: tuple[int, int, bytes] | None = None
@@ -292,7 +299,11 @@ class Scheduler:
             if request.status is RequestStatus.FINISHED:
                 continue
             if run is not None:
-                request.num_computed_tokens -= chunk.num_drafts - (len(run) - 1)
+                rejected = chunk.num_drafts - (len(run) - 1)
+                # Recurrent state goes back to before the drafts (the engine restores it): the
+                # accepted ones are computed again with the token after them.
+                rolled_back = chunk.rollback is not None and rejected > 0
+                request.num_computed_tokens -= chunk.num_drafts if rolled_back else rejected
                 touched.append((request, request.commit_tokens(run, self.config.max_model_len)))
             if request.status is RequestStatus.RUNNING:
                 self._seal_full_blocks(request)
@@ -322,11 +333,15 @@ class Scheduler:
         samples = start + num_new - num_drafts == request.num_tokens
         chunk = ScheduledChunk(request, num_new, samples, num_drafts)
         chunk.restore_from, request.state_source = request.state_source, None
-        if self.checkpoints is not None:
+        if num_drafts and self.config.rollback_slots is not None:
+            chunk.rollback = (num_new - num_drafts, self.config.rollback_slots + request.slot)
+        elif self.checkpoints is not None:
             # Checkpoint the state where the last full block before the final token ends: the
             # longest prefix a later prompt (the next turn of a chat) can reuse.
             boundary = (request.num_tokens - 1) // self.block_size * self.block_size
-            if start < boundary <= start + num_new:
+            # (After a speculative rollback the block may not be hashed yet: no checkpoint.)
+            hashed = boundary // self.block_size <= len(request.block_hashes)
+            if start < boundary <= start + num_new and hashed:
                 block_hash = request.block_hashes[boundary // self.block_size - 1]
                 slot = self.checkpoints.reserve(block_hash)
                 if slot is not None:

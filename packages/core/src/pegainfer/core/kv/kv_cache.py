@@ -86,6 +86,7 @@ class KVCache:
             )
             for spec in specs
         }
+        self.state_names = [spec.name for spec in states]
         for spec in states:
             assert spec.name not in self.arenas, f"two cache tensors named {spec.name!r}"
             self.arenas[spec.name] = torch.zeros(
@@ -94,6 +95,12 @@ class KVCache:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.arenas[name]
+
+    def copy_states(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Every layer's state of slot `sources[i]` into slot `targets[i]` (on the device)."""
+        for name in self.state_names:
+            arena = self.arenas[name]
+            arena.index_copy_(1, targets, arena.index_select(1, sources))
 
     @property
     def nbytes(self) -> int:

@@ -1,10 +1,11 @@
 """The drafter contract: given what a step accepted, propose the next k tokens per request.
 
-The engine runs the drafter right after a step's tokens are accepted, for every request that
-sampled a token and is still running. Each request's newest token has no KV yet (the next
-verify step feeds it first, then its drafts); its blocks hold k positions past it, where a
-drafter that runs the target (or a layer with its own cache in the same block tables) writes
-while proposing. What it writes there is overwritten by the verify step before anything reads
+The engine runs the drafter right after a step's tokens are accepted and committed. It sees
+every chunk of the step whose request still runs, with the rows of it that stand (a drafter
+with a cache of its own, an MTP layer's, fills it for them from the target's hidden states),
+and proposes for those that sampled a token. Such a request's newest token has no KV yet (the
+next verify step feeds it first, then its drafts); its blocks hold k positions past it, where
+a drafter writes while proposing. What it writes there is overwritten before anything reads
 it. A line provides its drafter through `Model.build_drafter`; core's `SelfDrafter` serves any
 attention-only line.
 """
@@ -16,24 +17,49 @@ from dataclasses import dataclass
 
 import torch
 
-from pegainfer.core.engine.request import Request
+from pegainfer.core.engine.request import Request, RequestStatus
+from pegainfer.core.engine.scheduler import ScheduledChunk
+from pegainfer.core.runner.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
 class DraftInputs:
-    """The requests to draft for, and for each its newest token, that token's position, and
-    its block table."""
+    """The step just verified, for each chunk whose request still runs: the request, the
+    position of the chunk's first token, the chunk's first row in the step's batch, how many
+    of its rows stand (all of a chunk that did not sample; of one that did, its last token's
+    and its accepted drafts'), and whether to draft for it (it sampled)."""
 
     requests: list[Request]
-    tokens: list[int]
-    positions: list[int]
-    block_tables: list[list[int]]
+    starts: list[int]
+    first_rows: list[int]
+    kept: list[int]
+    drafting: list[bool]
 
     @classmethod
-    def of(cls, requests: list[Request]) -> DraftInputs:
-        return cls(requests, [r.token_ids[-1] for r in requests],
-                   [r.num_tokens - 1 for r in requests],
-                   [r.block_ids for r in requests])  # fmt: skip
+    def of(
+        cls, chunks: list[ScheduledChunk], batch: ForwardBatch, accepted: dict[int, int]
+    ) -> DraftInputs:
+        """`chunks`: the step's, as `batch` holds them; `accepted`: the drafts each sampling
+        chunk's request kept, by the request's id."""
+        inputs = cls([], [], [], [], [])
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            inputs.requests.append(request)
+            inputs.starts.append(batch.seq_lens_cpu[i] - batch.query_lens_cpu[i])
+            inputs.first_rows.append(int(batch.query_start_loc_cpu[i]))
+            kept = chunk.num_tokens
+            if chunk.samples:
+                kept -= chunk.num_drafts - accepted[id(request)]
+            inputs.kept.append(kept)
+            inputs.drafting.append(chunk.samples)
+        return inputs
+
+    @property
+    def drafted(self) -> list[Request]:
+        """The requests to draft for, in order."""
+        return [r for r, draft in zip(self.requests, self.drafting, strict=True) if draft]
 
 
 @dataclass(frozen=True)
@@ -60,4 +86,4 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, inputs: DraftInputs) -> Drafts:
-        """k drafts for each request of `inputs`."""
+        """k drafts for each of `inputs.drafted`, in order."""

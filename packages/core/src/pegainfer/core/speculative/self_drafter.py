@@ -42,19 +42,21 @@ class SelfDrafter(Drafter):
         with their own sampling parameters and generator (their drafts' probabilities go to
         rejection sampling)."""
         runner, device = self.runner, self.runner.device
-        count = len(inputs.requests)
-        sampled = not all(r.params.greedy for r in inputs.requests)
+        requests = inputs.drafted
+        count = len(requests)
         params = None
-        if sampled:  # one batch of parameters for all k draft rows (penalties without drafts)
+        if not all(r.params.greedy for r in requests):
+            # One batch of parameters for all k draft rows (penalties without the drafts).
             params = SamplingBatch.from_requests(
-                inputs.requests, self.vocab_size, self.default_generator, device
+                requests, self.vocab_size, self.default_generator, device
             )
-        ids = to_device(inputs.tokens, device)
+        ids = to_device([r.token_ids[-1] for r in requests], device)
+        tables = [r.block_ids for r in requests]
         drafted, probs = [], []
         for i in range(self.num_tokens):
-            positions = [p + i for p in inputs.positions]
-            batch = ForwardBatch.build([[0]] * count, positions, inputs.block_tables,
-                                       [True] * count, runner.block_size, device)  # fmt: skip
+            positions = [r.num_tokens - 1 + i for r in requests]
+            batch = ForwardBatch.build([[0]] * count, positions, tables, [True] * count,
+                                       runner.block_size, device)  # fmt: skip
             batch.input_ids.copy_(ids)
             logits = runner.forward(batch)
             if params is None:
