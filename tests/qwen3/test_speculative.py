@@ -1,8 +1,8 @@
 """Speculative decoding on a tiny Qwen3 checkpoint: greedy output with drafts verified equals
 greedy output without, token for token, through batches, chunked prefill, prefix hits,
 preemption, stops and length limits inside an accepted run, logprobs and penalties. Drafts
-come from the model itself (all accepted) and from a drafter that spoils some (variable
-accepted counts, every rejection position)."""
+come from the model itself (all accepted) and spoiled (variable accepted counts, every
+rejection position)."""
 
 from __future__ import annotations
 
@@ -14,33 +14,14 @@ import torch
 from pegainfer import LLM, SamplingParams
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
-from pegainfer.core.engine.messages import EngineRequest
 from pegainfer.core.engine.metrics import Metrics
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.sampling.structured_output import StructuredOutput
-from pegainfer.core.speculative.drafter import Drafter, DraftInputs, Drafts
 from pegainfer.models.qwen3.line import Qwen3Line
 from tests import engine_harness
 from tests.engine_harness import DEFAULTS, check_prefix_hit_equals_cold, generate, greedy
 from tests.qwen3.hf_reference import VOCAB
-
-
-class SpoilingDrafter(Drafter):
-    """The model's own drafts with some replaced by another token: a draft is spoiled where
-    its position plus its index is 1 mod 3, so rejections fall on every draft index."""
-
-    def __init__(self, inner: Drafter) -> None:
-        super().__init__(inner.num_tokens)
-        self.inner = inner
-
-    def propose(self, inputs: DraftInputs) -> Drafts:
-        drafts = self.inner.propose(inputs)
-        positions = [r.num_tokens - 1 for r in inputs.drafted]
-        tokens = [
-            [(t + 1) % VOCAB if (position + i) % 3 == 1 else t for i, t in enumerate(row)]
-            for row, position in zip(drafts.tokens, positions, strict=True)
-        ]
-        return Drafts(tokens, drafts.probs)
+from tests.speculative_harness import SpoilingDrafter, run_workload
 
 
 def speculative_engine(path: Path, k: int, spoil: bool = False, **overrides) -> EngineCore:
@@ -48,27 +29,13 @@ def speculative_engine(path: Path, k: int, spoil: bool = False, **overrides) -> 
         path, speculative_tokens=k, speculative_method="self", **overrides
     )
     if spoil:
-        engine.speculative.drafter = SpoilingDrafter(engine.speculative.drafter)
+        engine.speculative.drafter = SpoilingDrafter(engine.speculative.drafter, VOCAB)
     return engine
 
 
 def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def run(engine: EngineCore, workload) -> dict[str, tuple[list[int], str | None]]:
-    for rid, prompt, params, eos in workload:
-        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, params=params,
-                                         eos_token_ids=eos, arrival_time=0.0))  # fmt: skip
-    results: dict[str, tuple[list[int], str | None]] = {}
-    while engine.has_unfinished_requests:
-        for output in engine.step():
-            tokens, _ = results.get(output.request_id, ([], None))
-            results[output.request_id] = (tokens + output.new_token_ids, output.finish_reason)
-    engine.block_manager.check_invariants()
-    assert engine.block_manager.usage == 0.0 and not engine.scheduler.running
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +78,11 @@ def test_stops_and_limits_inside_an_accepted_run(path):
         ("one", batch[2], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), []),
         ("long", batch[3], SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True), []),
     ]
-    plain = run(engine_harness.make_engine(path), workload)
+    plain = run_workload(engine_harness.make_engine(path), workload)
     assert plain["eos"] == (probe[: at + 1], "stop") and len(plain["min"][0]) >= 8
     assert plain["len"][1] == "length" and len(plain["len"][0]) == 5
     for k, spoil in ((3, False), (4, True)):
-        assert run(speculative_engine(path, k, spoil), workload) == plain
+        assert run_workload(speculative_engine(path, k, spoil), workload) == plain
 
 
 def test_context_limit_inside_an_accepted_run(path):

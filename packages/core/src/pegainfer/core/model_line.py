@@ -148,11 +148,6 @@ class Model(torch.nn.Module, ABC):
         """The logits of `batch.logits_indices`' rows from `hidden_states`' output."""
         raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
 
-    def build_drafter(self, num_tokens: int, runner: ModelRunner) -> Drafter | None:
-        """The checkpoint's own drafter (MTP layers) proposing `num_tokens` tokens per request
-        for speculative decoding (`speculative/drafter.py`), or None when it has none."""
-        return None
-
     def piecewise_cuts(self) -> list[PagedAttention | MultiHeadLatentAttention]:
         """The backends whose calls cut the forward into pieces (each has a `split` hook)."""
         raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
@@ -200,6 +195,15 @@ class ModelLine(ABC):
         format (Kimi-K2's `tiktoken.model`) builds the same `Tokenizer` from it. Called in every
         process that tokenizes: the server's and, for grammars, the engine's."""
         return Tokenizer.from_dir(tokenizer_dir)
+
+    def build_drafter(
+        self, model: Model, ctx: ModelContext, num_tokens: int, runner: ModelRunner
+    ) -> Drafter | None:
+        """The checkpoint's own drafter for `model` (its MTP layers, loaded from
+        `ctx.model_dir`), proposing `num_tokens` tokens per request for speculative decoding
+        (`speculative/drafter.py`); None when the line has none. Called before the model's
+        arenas are read (the drafter's may join them) and before `runner` allocates them."""
+        return None
 
     def scheduler_class(self) -> type[Scheduler]:
         """The scheduler this family runs under; core's default suits dense attention."""

@@ -270,7 +270,7 @@ class EngineCore:
         self.model.init_runtime(runtime)
         self.generator = torch.Generator(device).manual_seed(args.seed)
         # Before the arenas are read: a line's drafter may bring its own (an MTP layer's KV).
-        drafter = self._drafter(args, line) if args.speculative_tokens else None
+        drafter = self._drafter(args, line, context) if args.speculative_tokens else None
         specs = self.model.kv_arenas(args.block_size)
         states = self.model.state_arenas()
         prefix_caching = args.enable_prefix_caching and line.supports_prefix_caching
@@ -404,7 +404,7 @@ class EngineCore:
         self.grammars = Grammars(load_tokenizer, self.config.vocab_size)
         self._startup.mark("engine ready")
 
-    def _drafter(self, args: EngineArgs, line: ModelLine) -> Drafter:
+    def _drafter(self, args: EngineArgs, line: ModelLine, context: ModelContext) -> Drafter:
         """The drafter `--speculative-method` names, or why this line cannot speculate."""
         k = args.speculative_tokens
         if args.speculative_method == "self":
@@ -415,7 +415,7 @@ class EngineCore:
                     "token"
                 )
             return SelfDrafter(self.runner, k, self.model.vocab_size, self.generator)
-        drafter = self.model.build_drafter(k, self.runner)
+        drafter = line.build_drafter(self.model, context, k, self.runner)
         if drafter is None:
             raise ConfigError(
                 f"the {line.name!r} line has no MTP drafter (--speculative-method mtp); "

@@ -39,6 +39,8 @@ class Qwen35Config:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    #: Multi-token-prediction layers (`mtp.*`), the speculative-decoding drafter.
+    mtp_num_hidden_layers: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -94,4 +96,5 @@ class Qwen35Config:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(tie),
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0)),
         )

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.loading.weights import build_and_load
 from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.runner.model_runner import ModelRunner
+from pegainfer.core.speculative.drafter import Drafter
 from pegainfer.models.qwen35.config import Qwen35Config
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -29,6 +32,24 @@ class Qwen35Line(ModelLine):
 
         cfg = Qwen35Config.from_dict(ctx.config)
         return build_and_load(lambda: Qwen35ForCausalLM(cfg, ctx.parallel), ctx)
+
+    def build_drafter(
+        self, model: Model, ctx: ModelContext, num_tokens: int, runner: ModelRunner
+    ) -> Drafter | None:
+        """The checkpoint's MTP layer (`mtp.*`), loaded beside the model."""
+        from pegainfer.models.qwen35.mtp import MTPDrafter, Qwen35MTP
+
+        cfg = model.cfg
+        if not cfg.mtp_num_hidden_layers:
+            return None
+        if cfg.mtp_num_hidden_layers != 1:
+            raise ConfigError(
+                f"the checkpoint has {cfg.mtp_num_hidden_layers} MTP layers; the qwen35 line "
+                "drafts with one (mtp_num_hidden_layers 1)"
+            )
+        mtp = build_and_load(lambda: Qwen35MTP(cfg, model), ctx)
+        model.attach_mtp(mtp)
+        return MTPDrafter(model, mtp, runner, num_tokens)
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any

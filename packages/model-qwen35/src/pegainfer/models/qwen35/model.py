@@ -360,6 +360,12 @@ class Qwen35ForCausalLM(Model):
         # whether it replays a graph (states then only continue: nothing to start).
         self._step: DeltaNetStep | None = None
         self._replaying = False
+        # Speculative decoding with the MTP layer: its module, and every row's final hidden
+        # state of the last forward (a fixed buffer, so graph replays fill it too).
+        self.mtp: nn.Module | None = None
+        self._max_rows = 0
+        self._final_hidden: torch.Tensor | None = None
+        self._num_rows = 0
 
     @property
     def vocab_size(self) -> int:
@@ -372,7 +378,10 @@ class Qwen35ForCausalLM(Model):
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
         cfg = self.cfg
         block = (2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return [ArenaSpec("kv", len(cfg.full_layers), block, self.embed_tokens.dtype)]
+        arenas = [ArenaSpec("kv", len(cfg.full_layers), block, self.embed_tokens.dtype)]
+        if self.mtp is not None:
+            arenas.append(ArenaSpec("mtp_kv", 1, block, self.embed_tokens.dtype))
+        return arenas
 
     def state_arenas(self) -> list[StateSpec]:
         cfg, layers = self.cfg, len(self.cfg.linear_layers)
@@ -393,9 +402,23 @@ class Qwen35ForCausalLM(Model):
             shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
         )
         self.ops = layer_ops(device)
+        self._max_rows = max(runtime.max_num_batched_tokens, *runtime.graph_buckets, 1)
         if runtime.graph_buckets:
             largest = max(runtime.graph_buckets)
             self._decode_bounds = torch.arange(largest + 1, dtype=torch.int32, device=device)
+
+    def attach_mtp(self, mtp: nn.Module) -> None:
+        """Serve speculative decoding with `mtp` (after `init_runtime`): its KV arena joins the
+        model's, and each forward keeps every row's final hidden state for it."""
+        self.mtp = mtp
+        self._final_hidden = torch.empty(self._max_rows, self.cfg.hidden_size,
+                                         dtype=self.embed_tokens.dtype,
+                                         device=self.embed_tokens.device)  # fmt: skip
+
+    def final_hidden_states(self) -> torch.Tensor:
+        """Every row's hidden state after the final norm, of the last forward (with MTP)."""
+        assert self._final_hidden is not None, "attach_mtp() keeps the final hidden states"
+        return self._final_hidden[: self._num_rows]
 
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
@@ -520,8 +543,13 @@ class Qwen35ForCausalLM(Model):
                 hidden, residual, layer.post_attention_layernorm, eps, True
             )
             hidden = layer.mlp(x, ops_)
-        # Only the rows that sample go through the final norm and the LM head.
         rows = batch.logits_indices
-        x, _ = ops_.add_rms_norm(hidden[rows], residual[rows], self.norm, eps, True)
+        if self._final_hidden is not None:  # the MTP drafter reads every row's
+            x, _ = ops_.add_rms_norm(hidden, residual, self.norm, eps, True)
+            self._num_rows = x.shape[0]
+            self._final_hidden[: x.shape[0]].copy_(x)
+            x = x[rows]
+        else:  # only the rows that sample go through the final norm and the LM head
+            x, _ = ops_.add_rms_norm(hidden[rows], residual[rows], self.norm, eps, True)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return parallel.vocab_parallel_logits(x, head, self.group).float()

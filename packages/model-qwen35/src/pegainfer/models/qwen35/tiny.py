@@ -1,7 +1,8 @@
 """Tiny random Qwen3.5 checkpoints in the real VLM layout: config.json with `text_config` and
-a `vision_config`, the decoder's tensors under `model.language_model.`, a few vision and MTP
-tensors beside them (which serving ignores), a working byte-level BPE tokenizer with Qwen's
-special tokens and a ChatML template, and generation_config.json. For tests and tryouts.
+a `vision_config`, the decoder's tensors under `model.language_model.`, a few vision tensors
+beside them (which serving ignores), the multi-token-prediction layer under `mtp.` (the
+speculative-decoding drafter), a working byte-level BPE tokenizer with Qwen's special tokens and
+a ChatML template, and generation_config.json. For tests and tryouts.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def default_text_config(vocab_size: int, eos: int) -> dict[str, Any]:
             "partial_rotary_factor": 0.25,
         },
         "tie_word_embeddings": True,
+        "mtp_num_hidden_layers": 1,
         "eos_token_id": eos,
         "dtype": "float32",
     }
@@ -72,8 +74,9 @@ def random_weights(
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     root = "model.language_model."
     tensors = {root + "embed_tokens.weight": normal(cfg.vocab_size, h, scale=0.3)}
-    for layer, kind in enumerate(cfg.layer_types):
-        p = f"{root}layers.{layer}."
+
+    def layer_tensors(p: str, kind: str) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
         if kind == "full_attention":
             tensors |= {
                 p + "self_attn.q_proj.weight": normal(2 * cfg.num_heads * d, h),
@@ -105,12 +108,22 @@ def random_weights(
             p + "mlp.up_proj.weight": normal(i, h),
             p + "mlp.down_proj.weight": normal(h, i),
         }
+        return tensors
+
+    for layer, kind in enumerate(cfg.layer_types):
+        tensors |= layer_tensors(f"{root}layers.{layer}.", kind)
     tensors[root + "norm.weight"] = normal(h)
     if not cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = normal(cfg.vocab_size, h, scale=0.3)
     # Present in real checkpoints, never read when serving text.
     tensors["model.visual.patch_embed.proj.weight"] = normal(32, 3, 2, 16, 16)
-    tensors["mtp.fc.weight"] = normal(h, 2 * h)
+    # The MTP layers (vLLM's qwen3_5_mtp.py names): read only with speculative decoding.
+    for layer in range(cfg.mtp_num_hidden_layers):
+        tensors |= layer_tensors(f"mtp.layers.{layer}.", "full_attention")
+    if cfg.mtp_num_hidden_layers:
+        tensors |= {"mtp.fc.weight": normal(h, 2 * h), "mtp.norm.weight": normal(h),
+                    "mtp.pre_fc_norm_embedding.weight": normal(h),
+                    "mtp.pre_fc_norm_hidden.weight": normal(h)}  # fmt: skip
     return tensors
 
 

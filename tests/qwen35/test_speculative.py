@@ -1,0 +1,123 @@
+"""Speculative decoding on a tiny Qwen3.5 checkpoint (with its MTP layer): greedy output equals
+greedy output without drafts, token for token, while the recurrent state rolls back to the last
+accepted token whenever a draft is rejected: batches, chunked prefill, prefix hits from state
+checkpoints, preemption, stops and length limits inside an accepted run. Drafts come from the
+checkpoint's MTP layer (random weights: rejected) and from an oracle that knows plain decoding's
+output and spoils some of it (acceptance from none to all, at every draft index)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.errors import ConfigError
+from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.models.qwen35.line import Qwen35Line
+from pegainfer.models.qwen35.mtp import MTPDrafter
+from tests.engine_harness import generate, greedy, make_engine, submit
+from tests.speculative_harness import OracleDrafter, run_workload
+
+VOCAB = 1000  # prompt ids are drawn below this (the tiny tokenizer's vocabulary is larger)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen35-speculative")
+    Qwen35Line().write_tiny_checkpoint(path, seed=4)
+    return path
+
+
+def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def oracle_engine(
+    path: Path, k: int, sequences: dict[str, list[int]], spoil: bool = True, **overrides
+) -> EngineCore:
+    """An engine whose drafts are plain decoding's `sequences`, spoiled at some positions."""
+    engine = make_engine(path, speculative_tokens=k, **overrides)
+    assert isinstance(engine.speculative.drafter, MTPDrafter)
+    engine.speculative.drafter = OracleDrafter(k, sequences, VOCAB if spoil else 0)
+    return engine
+
+
+def sequences_of(batch: list[list[int]], outputs: list[list[int]]) -> dict[str, list[int]]:
+    return {str(i): p + o for i, (p, o) in enumerate(zip(batch, outputs, strict=True))}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_drafts_keep_greedy_output(path, k):
+    """The checkpoint's MTP layer drafts (its random weights' drafts are rejected: every verify
+    step rolls the state back), prompts prefilled in chunks beside verify steps."""
+    batch = prompts(1, (5, 13, 30, 2, 41))
+    expected = generate(make_engine(path, max_num_batched_tokens=24), batch, greedy(20))
+    engine = make_engine(path, speculative_tokens=k, max_num_batched_tokens=24)
+    assert generate(engine, batch, greedy(20)) == expected
+    assert engine.speculative.counters.num_draft_tokens > 0
+    engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize(("k", "spoil"), [(2, True), (4, True), (3, False)])
+def test_rollback_after_partial_acceptance(path, k, spoil):
+    """Drafts accepted in part (the state rolls back to the last accepted token, the accepted
+    ones run again) or whole (nothing to roll back)."""
+    batch = prompts(2, (9, 17, 33, 4))
+    expected = generate(make_engine(path, max_num_batched_tokens=24), batch, greedy(24))
+    engine = oracle_engine(path, k, sequences_of(batch, expected), spoil,
+                           max_num_batched_tokens=24)  # fmt: skip
+    assert generate(engine, batch, greedy(24)) == expected
+    stats = engine.speculative.counters
+    if spoil:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        # One draft in three is spoiled: runs of up to two are accepted.
+        assert stats.accepted_per_pos[0] > stats.accepted_per_pos[min(k, 2) - 1] > 0
+    else:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_prefix_hit_from_a_state_checkpoint(path):
+    """A repeated prompt restarts from the state checkpoint and blocks the first one left (its
+    verify steps never checkpoint drafts) and continues as cold."""
+    prompt = prompts(3, (30,))[0]
+    expected = generate(make_engine(path), [prompt], greedy(16))
+    engine = oracle_engine(path, 3, {"0": prompt + expected[0], "1": prompt + expected[0]})
+    assert generate(engine, [prompt], greedy(16)) == expected
+    submit(engine, "1", prompt, greedy(16))
+    outputs: list[int] = []
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            outputs += output.new_token_ids
+    assert outputs == expected[0]
+    assert engine.scheduler.counters.prefix_hits > 0
+
+
+def test_preemption_and_stops(path):
+    """A pool too small for the batch preempts (state and drafts recomputed); EOS, min_tokens
+    and max_tokens end requests inside accepted runs."""
+    batch = prompts(5, (18, 25, 11, 30, 9))
+    plain = generate(make_engine(path), batch, greedy(30))
+    at = next(i for i in range(3, 30) if plain[4][i] not in plain[4][:i])
+    stop = plain[4][at]
+    workload = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), [])
+                for i, p in enumerate(batch[:4])]  # fmt: skip
+    workload += [
+        ("4", batch[4], SamplingParams(temperature=0.0, max_tokens=30), [stop]),
+        ("5", batch[4], SamplingParams(temperature=0.0, max_tokens=30, min_tokens=at + 2), [stop]),
+        ("6", batch[1], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), []),
+    ]
+    expected = run_workload(make_engine(path, num_kv_blocks=48, max_model_len=64), workload)
+    assert expected["4"] == (plain[4][: at + 1], "stop")
+    sequences = sequences_of(batch, plain) | {"5": batch[4] + expected["5"][0],
+                                              "6": batch[1] + plain[1]}  # fmt: skip
+    engine = oracle_engine(path, 3, sequences, num_kv_blocks=48, max_model_len=64)
+    assert run_workload(engine, workload) == expected
+    assert engine.scheduler.counters.preemptions > 0
+
+
+def test_self_drafts_are_refused(path):
+    with pytest.raises(ConfigError, match="recurrent state"):
+        make_engine(path, speculative_tokens=2, speculative_method="self")
