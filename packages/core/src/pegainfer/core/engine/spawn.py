@@ -63,7 +63,11 @@ def spawn_engine(args: EngineArgs, log_format: str = logging.BASIC_FORMAT) -> Sp
 def _main(
     args: EngineArgs, inbox: Connection, outbox: Connection, log_level: int, log_format: str
 ) -> None:
-    """The engine process's entry point."""
+    """The engine process's entry point: the checkpoint is read ahead while it imports."""
+    from pegainfer.core.loading.prefetch import prefetch_checkpoint
+
+    if args.load_format != "dummy":
+        prefetch_checkpoint(args.model)
     from pegainfer.core.engine.process import engine_main
 
     engine_main(args, inbox, outbox, log_level, log_format)
