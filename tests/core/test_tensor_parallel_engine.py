@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pegainfer.core.distributed.nodes import Nodes
 from pegainfer.core.distributed.tensor_parallel import (
     RankFailedError,
     TensorParallelRanks,
@@ -215,7 +216,7 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(monkeypatch):
     monkeypatch.setenv("PEGAINFER_TP_TIMEOUT_S", "120")
     spec = WorkerSpec("qwen3", Path("."), {"x": _ExitsWhenUnpickled()}, torch.float32, "cpu")
     start = time.monotonic()
-    ranks = TensorParallelRanks(2, spec)
+    ranks = TensorParallelRanks(Nodes(2), spec)
     with pytest.raises(RankFailedError, match=r"rank 1 exited \(code 3\) before joining"):
         ranks.join()
     assert time.monotonic() - start < 60
@@ -506,19 +507,19 @@ def test_what_data_parallel_attention_does_not_cover_is_refused(args, error):
 
 
 @pytest.mark.parametrize(("device", "visible", "error"), [
-    ("cuda", 1, "needs 2 GPUs; visible: 1"),
+    ("cuda", 1, "need 2 GPUs; visible: 1"),
     ("cuda:1", 4, "CUDA_VISIBLE_DEVICES"),
     ("mps", 0, "CUDA or the CPU"),
 ])  # fmt: skip
 def test_the_gpus_for_tensor_parallelism_are_checked(monkeypatch, device, visible,
                                                                    error):  # fmt: skip
     from pegainfer.core.args import EngineArgs
-    from pegainfer.core.engine.core import EngineCore
+    from pegainfer.core.engine.core import check_parallel
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     args = EngineArgs(model="unused", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match=error):
-        EngineCore._check_parallel(args, torch.device(device), 2)
+        check_parallel(args, torch.device(device), 2)
 
 
 def test_nvlink_multicast_stays_off_unless_the_user_says_otherwise(monkeypatch):

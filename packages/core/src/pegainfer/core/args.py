@@ -130,6 +130,31 @@ class EngineArgs:
         "the routed experts, which are divided between them; each MoE layer sends tokens to "
         "their experts' ranks and back (all-to-all).",
     )
+    nnodes: int = _arg(
+        1,
+        "Hosts the ranks (--tensor-parallel-size x --data-parallel-size) are spread over, an "
+        "equal number on each: start pegainfer-server with the same flags on every host, each "
+        "with its --node-rank. Node 0 serves HTTP and hosts the rendezvous at --master-addr:"
+        "--master-port; the others run workers only. Default: torchrun's GROUP_WORLD_SIZE when "
+        "set, else 1.",
+    )
+    node_rank: int | None = _arg(
+        None, "This host's place among --nnodes hosts (default: torchrun's GROUP_RANK, else 0)."
+    )
+    master_addr: str | None = _arg(
+        None,
+        "With --nnodes > 1: node 0's address, which every host reaches (default: MASTER_ADDR).",
+    )
+    master_port: int | None = _arg(
+        None,
+        "With --nnodes > 1: the rendezvous port on node 0 (default: MASTER_PORT, else 29500).",
+    )
+    rendezvous_timeout: float = _arg(
+        600.0,
+        "With --nnodes > 1: seconds a host waits for the others to reach the rendezvous "
+        "(node 0 for each host's ranks to connect, the others for node 0 to listen). Once "
+        "connected, a rank may load for as long as it takes.",
+    )
     kv_events_config: str | None = _arg(
         None,
         "Publish the prefix cache's block stored / removed events for routers that route by "
@@ -178,6 +203,7 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                      "tensor_parallel_size", "data_parallel_size"):  # fmt: skip
             positive(name)
+        self._check_nodes()
         if self.data_parallel_size > 1:
             if not self.enable_expert_parallel:
                 raise ConfigError(
@@ -229,6 +255,26 @@ class EngineArgs:
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
         return self
+
+    def _check_nodes(self) -> None:
+        """The hosts' flags that need no environment (`distributed.nodes` reads torchrun's)."""
+        if self.nnodes < 1:
+            raise ConfigError(f"nnodes must be a positive integer, got {self.nnodes}")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port < 1 << 16:
+            raise ConfigError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if not 0 < self.rendezvous_timeout < float("inf"):
+            raise ConfigError(
+                f"rendezvous_timeout must be a positive number of seconds, got "
+                f"{self.rendezvous_timeout}"
+            )
+        world = self.tensor_parallel_size * self.data_parallel_size
+        if world % self.nnodes:
+            raise ConfigError(
+                f"--tensor-parallel-size x --data-parallel-size = {world} ranks do not split "
+                f"evenly over --nnodes {self.nnodes} hosts"
+            )
 
     def _check_speculative(self) -> None:
         """Refuse what speculative decoding does not combine with yet, naming the flags."""

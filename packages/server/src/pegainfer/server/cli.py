@@ -21,6 +21,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.args import EngineArgs
+from pegainfer.core.distributed.nodes import Nodes
 from pegainfer.core.engine.spawn import SpawnedEngine, spawn_engine
 from pegainfer.core.errors import PegainferError
 from pegainfer.core.kv.kv_events import KVEventsConfig
@@ -151,7 +152,8 @@ _SERVER_FIELDS = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    options = vars(parser.parse_args(argv))
     server = {name: options.pop(name) for name in _SERVER_FIELDS}
     logging.basicConfig(level=server["log_level"].upper(), format=_LOG_FORMAT)
     if server["backlog"] < 1:
@@ -166,9 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         engine_args = EngineArgs(**options).validate()
+        nodes = Nodes.from_args(engine_args)
     except PegainferError as exc:
         print(f"pegainfer-server: {exc}", file=sys.stderr)
         return 2
+    if nodes.node_rank > 0:
+        unused = [name for name in _SERVER_FIELDS if name != "log_level"
+                  and server[name] != parser.get_default(name)]  # fmt: skip
+        return _worker_node(engine_args, unused)
     try:
         listener = listen(server["host"], server["port"])
     except OSError as exc:
@@ -190,6 +197,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pegainfer-server: {exc}", file=sys.stderr)
             return 2
         return asyncio.run(serve(engine_args, server, listener, spawned))
+
+
+def _worker_node(engine_args: EngineArgs, unused: list[str]) -> int:
+    """A host other than node 0: its ranks only, no HTTP; the exit status says how they
+    ended (0: node 0 stopped them)."""
+    from pegainfer.core.distributed.worker_node import run_worker_node
+
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        logger.warning("this host serves no HTTP (node 0 does): %s unused here", flags)
+    try:
+        return run_worker_node(engine_args)
+    except PegainferError as exc:
+        print(f"pegainfer-server: {exc}", file=sys.stderr)
+        return 1
 
 
 def listen(host: str, port: int) -> socket.socket:

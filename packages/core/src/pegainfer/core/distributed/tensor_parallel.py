@@ -53,7 +53,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pegainfer.core.distributed.nodes import Nodes
 from pegainfer.core.distributed.parallel import ParallelGroup
+from pegainfer.core.distributed.remote_ranks import RemoteRanks, connect_to_rank_0
 from pegainfer.core.engine.step_plan import StepPlan
 from pegainfer.core.errors import ConfigError, PegainferError
 from pegainfer.core.model_line import Model, ModelContext, RuntimeConfig
@@ -71,7 +73,7 @@ TIMEOUT = timedelta(seconds=600)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # The ranks meet at rank 0's store: each worker checks in there once loaded, then waits for
 # rank 0's go (set once rank 0 has loaded too and seen every worker alive) before joining.
-_HOST, _CHECK_IN, _GO, _POLL_S = "127.0.0.1", "pegainfer/check-in/", "pegainfer/go", 0.05
+_CHECK_IN, _GO, _POLL_S = "check-in/", "go", 0.05
 _PIPE_BYTES = 1 << 20  # Linux's default limit for an unprivileged process
 
 
@@ -111,11 +113,20 @@ class WorkerSpec:
                             expert_parallel=self.expert_parallel,
                             random_weights=self.random_weights, **placement)  # fmt: skip
 
+    def terms(self, nodes: Nodes) -> dict[str, object]:
+        """What every host must agree on (JSON): the model and the ranks' layout, not the
+        checkpoint's path, which may differ between hosts."""
+        return {"line": self.line, "config": self.config, "dtype": str(self.dtype),
+                "device": torch.device(self.device).type, "expert_parallel": self.expert_parallel,
+                "data_parallel": self.data_parallel, "random_weights": self.random_weights,
+                "world": nodes.world, "nnodes": nodes.nnodes}  # fmt: skip
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """Rank `rank`'s device: GPU `rank` on CUDA, else the engine's device."""
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """The device of the rank that is `local_rank` on its host: that GPU on CUDA, else the
+    engine's device."""
     engine = torch.device(device)
-    return torch.device("cuda", rank) if engine.type == "cuda" else engine
+    return torch.device("cuda", local_rank) if engine.type == "cuda" else engine
 
 
 def collective_timeout() -> timedelta:
@@ -179,19 +190,28 @@ def _smallest(value: int, device: torch.device) -> int:
     return int(box.item())
 
 
-def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connection) -> None:
+def worker_main(rank: int, nodes: Nodes, spec: WorkerSpec, inbox: Connection | None) -> None:
+    """Rank `rank`: on rank 0's host `inbox` is the pipe from rank 0 (its parent); on another
+    host (None) the rank connects to rank 0 first, and its parent is that host's launcher
+    (`worker_node`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     threading.Thread(target=_exit_with_parent, daemon=True, name="pegainfer-tp-parent").start()
-    device = rank_device(spec.device, rank)
+    world = nodes.world
+    device = rank_device(spec.device, nodes.local_rank(rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = stopped = None
+    if inbox is None:  # before loading: rank 0 checks this host was started like its own
+        store = nodes.connect_store(collective_timeout())
+        inbox, stopped = connect_to_rank_0(nodes, store, rank, spec.terms(nodes))
     # Load this rank's share while the others start: a failure here (or a device that cannot
     # start) ends the worker before its check-in, which rank 0 reports when it joins.
     from pegainfer.core.plugins import model_lines
 
     line = next(line for line in model_lines() if line.name == spec.line)
     model = line.build_model(spec.context(device, rank, world)).eval()
-    store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=collective_timeout())
+    if store is None:
+        store = nodes.connect_store(collective_timeout())
     store.set(f"{_CHECK_IN}{rank}", "")
     # However long rank 0 still loads (the parent thread ends us if rank 0 goes): joining
     # first would time out in the rendezvous and leave rank 0 in NCCL's set-up, unwatched.
@@ -204,6 +224,8 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, inbox: Connectio
         # Rank 0 died or a collective failed: exit at once, never waiting on peers that left.
         traceback.print_exc()
         os._exit(1)
+    if stopped is not None:
+        stopped.set()
     gc.collect()  # the graphs (captured collectives) before the communicator
     _leave()
 
@@ -244,32 +266,37 @@ def _serve(model: Model, device: torch.device, inbox: Connection) -> None:
 
 
 class TensorParallelRanks:
-    """Rank 0's handle on the workers: start them (each loads its share of the weights while
-    rank 0 loads its own), join them (`join`), then have them follow rank 0's set-up and steps
-    (each call here comes right before rank 0 does the same)."""
+    """Rank 0's handle on the workers: start those of its host and accept those of the others
+    (each loads its share of the weights while rank 0 loads its own), join them (`join`), then
+    have them follow rank 0's set-up and steps (each call here comes right before rank 0 does
+    the same)."""
 
-    def __init__(self, world: int, spec: WorkerSpec) -> None:
+    def __init__(self, nodes: Nodes, spec: WorkerSpec) -> None:
         self._timeout = collective_timeout()  # a bad PEGAINFER_TP_TIMEOUT_S fails first
         keep_multicast_off()
-        # Port 0: the store binds a free port itself and keeps it.
-        self._store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=self._timeout,
-                                    wait_for_workers=False)  # fmt: skip
+        nodes.choose_gloo_interface()  # before the workers start: they inherit it
+        self._store, nodes = nodes.host_store(self._timeout)
+        self.nodes = nodes
         context = mp.get_context("spawn")
+        #: This host's workers (ranks 1..): the other hosts' ranks are `remote`'s.
         self.workers: list[BaseProcess] = []
-        self._outboxes: list[Connection] = []
+        self._outboxes: list[Connection] = []  # ranks 1.. in order, once joined
         self.device = rank_device(spec.device, 0)
         #: Rank 0's place; its collectives work once `join` has set up the default group.
-        self.group = ParallelGroup(0, world)
+        self.group = ParallelGroup(0, nodes.world)
         self._joined, self._open = False, True
         self.failed: str | None = None
+        self.remote: RemoteRanks | None = None
         atexit.register(self.shutdown)
         try:
-            for rank in range(1, world):
+            if nodes.nnodes > 1:
+                self.remote = RemoteRanks(nodes, self._store, spec.terms(nodes))
+            for rank in nodes.local_ranks[1:]:
                 inbox, outbox = context.Pipe(duplex=False)
                 _widen(outbox)
                 self._outboxes.append(outbox)
                 self.workers.append(context.Process(
-                    target=_worker, args=(rank, world, self._store.port, spec, inbox), daemon=True,
+                    target=worker_main, args=(rank, nodes, spec, inbox), daemon=True,
                     name=f"pegainfer-tp-rank{rank}",
                 ))  # fmt: skip
                 self.workers[-1].start()
@@ -283,6 +310,8 @@ class TensorParallelRanks:
         the forward's group with them and start watching them."""
         try:
             self._await_check_in()
+            if self.remote is not None:  # ranks are numbered host by host
+                self._outboxes += [conn for _, conn in sorted(self.remote.outboxes().items())]
             self._store.set(_GO, "")
             _init(0, self.group.world_size, self._store, self.device)
         except BaseException:  # the workers would wait for rank 0 until their time limit
@@ -299,8 +328,9 @@ class TensorParallelRanks:
         Loading has no time limit here, as rank 0's own load has none: the collectives' limit
         (PEGAINFER_TP_TIMEOUT_S, set short to notice a hung collective soon) would fail the
         start of any model whose shards take longer to load, or of workers that start slowly
-        on a busy host."""
-        keys = [f"{_CHECK_IN}{rank}" for rank in range(1, len(self.workers) + 1)]
+        on a busy host. Another host's ranks must connect within --rendezvous-timeout; from
+        then on their connections are their liveness."""
+        keys = [f"{_CHECK_IN}{rank}" for rank in range(1, self.group.world_size)]
         while True:
             checked_in = self._store.check(keys)
             for rank, worker in enumerate(self.workers, start=1):
@@ -309,25 +339,34 @@ class TensorParallelRanks:
                         f"parallel rank {rank} exited (code {worker.exitcode}) before "
                         "joining; its output above says why"
                     )
-            if checked_in:
+            connected = self.remote is None or self.remote.connected()
+            if checked_in and connected:
                 return
             time.sleep(_POLL_S)
 
     def _watch(self) -> None:
         """When a worker dies mid-run, fail the engine at its next message and end the others:
         a survivor may be stuck in a collective with the dead rank, never reading rank 0's
-        next message (whose write then blocks once the pipe is full). On GPUs, also abort the
-        communicator: the dead rank leaves rank 0's NCCL kernels waiting (a replayed graph's
-        collectives are not even under NCCL's watchdog)."""
-        sentinels = {worker.sentinel: rank for rank, worker in enumerate(self.workers, 1)}
-        ended = mp_connection.wait(list(sentinels))
+        next message (whose write then blocks once the pipe is full); the other hosts' ranks
+        exit when rank 0 hangs up on them. On GPUs, also abort the communicator: the dead rank
+        leaves rank 0's NCCL kernels waiting (a replayed graph's collectives are not even
+        under NCCL's watchdog)."""
+        # A remote rank never writes after its hello: its connection turns readable when it ends.
+        ended_by = {worker.sentinel: f"parallel rank {rank} exited mid-run"
+                    for rank, worker in enumerate(self.workers, 1)}  # fmt: skip
+        remote = self.remote.outboxes() if self.remote is not None else {}
+        for rank, connection in remote.items():
+            node = self.nodes.node_of(rank)
+            ended_by[connection] = f"parallel rank {rank} (node {node}) hung up mid-run"
+        ended = mp_connection.wait(list(ended_by))
         if not self._open:
             return
-        rank = sentinels[ended[0]]
-        self.failed = f"parallel rank {rank} exited mid-run"
+        self.failed = ended_by[ended[0]]
         logger.error("%s; stopping the other ranks", self.failed)
         for worker in self.workers:
             worker.kill()
+        if self.remote is not None:
+            self.remote.close()
         if self.device.type != "cuda":
             return
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -413,11 +452,18 @@ class TensorParallelRanks:
             self._stop_workers(deadline=time.monotonic() + 10)
 
     def _stop_workers(self, deadline: float) -> None:
-        """Join the workers until `deadline`, kill those still running, close the pipes."""
+        """Join the workers until `deadline`, kill those still running, close the pipes; wait
+        as long for the other hosts' ranks to hang up, then hang up on those left (they exit)."""
         for worker in self.workers:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.kill()
                 worker.join()
+        if self.remote is not None:
+            left = list(self.remote.outboxes().values())
+            while left and (wait := deadline - time.monotonic()) > 0:
+                ended = mp_connection.wait(left, wait)
+                left = [connection for connection in left if connection not in ended]
+            self.remote.close()
         for outbox in self._outboxes:
             outbox.close()

@@ -21,6 +21,7 @@ import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.distributed.data_parallel import DataParallelScheduler, rank_plans
+from pegainfer.core.distributed.nodes import Nodes
 from pegainfer.core.distributed.tensor_parallel import TensorParallelRanks, WorkerSpec
 from pegainfer.core.engine.frontend import RequestLimits
 from pegainfer.core.engine.messages import (
@@ -29,7 +30,7 @@ from pegainfer.core.engine.messages import (
     RequestOutput,
     RequestTiming,
 )
-from pegainfer.core.engine.model_source import resolve_model_source
+from pegainfer.core.engine.model_source import ModelSource, resolve_model_source
 from pegainfer.core.engine.request import Request, RequestStatus
 from pegainfer.core.engine.scheduler import (
     ScheduledChunk,
@@ -179,44 +180,82 @@ def _feeds(step: SchedulerStep) -> list[Feed]:
     return [Feed(rows, first, start) for rows, first in feeds]
 
 
+def plan_ranks(
+    args: EngineArgs, lines: list[ModelLine] | None = None
+) -> tuple[ModelSource, WorkerSpec, Nodes]:
+    """What every rank of `args` builds (the model, its line and layout: checked here) and on
+    which hosts the ranks run; the same on every host."""
+    source = resolve_model_source(args, lines)
+    line = source.line
+    ignored = sorted(line.unsupported_args & args.explicit_fields())
+    if ignored:
+        raise ConfigError(
+            f"the {line.name!r} model line does not use these arguments: {', '.join(ignored)}"
+        )
+    if args.data_parallel_size > 1 and not line.supports_data_parallel:
+        raise ConfigError(
+            f"the {line.name!r} model line does not run data-parallel attention "
+            "(--data-parallel-size): it has no experts for the ranks to share"
+        )
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, source.config, device)
+    spec = WorkerSpec(line.name, source.model_dir, source.config, dtype, str(device),
+                      args.enable_expert_parallel, args.data_parallel_size > 1,
+                      args.load_format == "dummy")  # fmt: skip
+    nodes = Nodes.from_args(args)
+    if nodes.world > 1:
+        check_parallel(args, device, nodes.per_node)
+    return source, spec, nodes
+
+
+def check_parallel(args: EngineArgs, device: torch.device, local_world: int) -> None:
+    """Refuse a parallel layout this host cannot run (`local_world` ranks on it)."""
+    sizes = "--tensor-parallel-size x --data-parallel-size"
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ConfigError(
+                f"parallel ranks run on the first {sizes} visible GPUs (divided by --nnodes): "
+                "pick them with CUDA_VISIBLE_DEVICES rather than --device"
+            )
+        if torch.cuda.device_count() < local_world:
+            raise ConfigError(
+                f"{sizes} ranks on this host need {local_world} GPUs; visible: "
+                f"{torch.cuda.device_count()}"
+            )
+    elif device.type != "cpu":
+        raise ConfigError(f"parallel ranks run on CUDA or the CPU, not {device.type}")
+    if args.kv_offload:
+        raise ConfigError("--kv-offload does not work with parallel ranks yet")
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
         args.validate()
         self._startup = StartupLog(logger)
-        source = resolve_model_source(args, lines)
-        model_dir, model_config, line = source.model_dir, source.config, source.line
-        ignored = sorted(line.unsupported_args & args.explicit_fields())
-        if ignored:
+        source, spec, nodes = plan_ranks(args, lines)
+        if nodes.node_rank != 0:
             raise ConfigError(
-                f"the {line.name!r} model line does not use these arguments: {', '.join(ignored)}"
+                f"node {nodes.node_rank} of {nodes.nnodes} runs workers only "
+                "(pegainfer.core.distributed.worker_node), not an engine"
             )
-        if args.data_parallel_size > 1 and not line.supports_data_parallel:
-            raise ConfigError(
-                f"the {line.name!r} model line does not run data-parallel attention "
-                "(--data-parallel-size): it has no experts for the ranks to share"
-            )
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, model_config, device)
+        device = torch.device(spec.device)
         # The attention backends' library imports while the weights load (`_set_up` waits).
         self._backend_import = (
             _import_in_background("flashinfer") if device.type == "cuda" else None
         )
-        logger.info(
-            "Loading %s with model line %r on %s in %s", model_dir, line.name, device, dtype
-        )
+        logger.info("Loading %s with model line %r on %s in %s", source.model_dir,
+                    source.line.name, spec.device, spec.dtype)  # fmt: skip
         self.ranks: TensorParallelRanks | None = None
         self.runner: ModelRunner | None = None  # once the model is built
         #: One KV-event publisher per attention rank, with its rank's block manager.
         self.kv_events: list[tuple[ZmqEventPublisher, BlockManager]] = []
-        spec = WorkerSpec(line.name, model_dir, model_config, dtype, str(device),
-                          args.enable_expert_parallel, args.data_parallel_size > 1,
-                          args.load_format == "dummy")  # fmt: skip
-        world = args.tensor_parallel_size * args.data_parallel_size
-        if world > 1:
-            self._check_parallel(args, device, world)
-            self.ranks = TensorParallelRanks(world, spec)
+        if nodes.world > 1:
+            if nodes.nnodes > 1:
+                logger.info("%s", nodes.describe())
+            self.ranks = TensorParallelRanks(nodes, spec)
         try:
-            self._set_up(args, line, source.tokenizer_dir, spec.context(device, 0, world))
+            self._set_up(args, source.line, source.tokenizer_dir,
+                         spec.context(device, 0, nodes.world))  # fmt: skip
         except BaseException:
             self.shutdown()  # the workers and their process group end with the failed engine
             raise
@@ -454,24 +493,6 @@ class EngineCore:
             tier.nbytes / _GIB,
         )
         return tier
-
-    @staticmethod
-    def _check_parallel(args: EngineArgs, device: torch.device, world: int) -> None:
-        sizes = "--tensor-parallel-size x --data-parallel-size"
-        if device.type == "cuda":
-            if device.index not in (None, 0):
-                raise ConfigError(
-                    f"parallel ranks run on the first {sizes} visible GPUs: pick them with "
-                    "CUDA_VISIBLE_DEVICES rather than --device"
-                )
-            if torch.cuda.device_count() < world:
-                raise ConfigError(
-                    f"{sizes} = {world} needs {world} GPUs; visible: {torch.cuda.device_count()}"
-                )
-        elif device.type != "cpu":
-            raise ConfigError(f"parallel ranks run on CUDA or the CPU, not {device.type}")
-        if args.kv_offload:
-            raise ConfigError("--kv-offload does not work with parallel ranks yet")
 
     def shutdown(self) -> None:
         """Stop the parallel workers, if any, and the KV-event publishers (the engine is
