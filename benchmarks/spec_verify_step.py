@@ -3,16 +3,18 @@ shape with random weights: for each batch B and draft count k, the wall time of 
 feeds B sequences 1 + k tokens each (their last token and k drafts) after a context of C
 tokens, samples all B (1 + k) rows greedily and accepts (issue 26's "time per verify step at
 k = 1..4 and batch 1..64"), beside the plain decode step of B tokens and the HBM floor of one
-token (weights plus the context's KV, over the measured copy bandwidth).
+token (weights plus the context's KV, over the measured copy bandwidth). A line with an MTP
+drafter (Qwen3.5) also gets the drafter's time for the k drafts after a fully accepted step,
+and its verify steps keep each sequence's state before the drafts, as served.
 
     python benchmarks/spec_verify_step.py --shape qwen35-4b --out verify.json
 
 The steps go through the model runner as the engine runs them (decode graphs for the plain
 step; a verify step replays the piecewise graphs where the line has them, else runs eagerly)
 with the drafts' KV written where the engine writes it. What follows for tokens per second at
-an accepted length a (0..k): B (1 + a) tokens per verify step, the drafter's own time not
-counted (`--speculative-method self` on a real engine gives full acceptance for greedy
-requests; an MTP drafter adds about one layer per draft).
+an accepted length a (0..k): B (1 + a) tokens per verify step plus, where measured, the
+drafter's time (`tpot_ms`: per token of one stream; `--speculative-method self` on a real
+engine gives full acceptance for greedy requests, the upper bound).
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from model_step import copy_bandwidth
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
+from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.engine.request import Request
 from pegainfer.core.engine.step_plan import StepPlan
+from pegainfer.core.sampling.sampling_params import SamplingParams
 from pegainfer.core.speculative.acceptance import greedy_accept
+from pegainfer.core.speculative.drafter import DraftInputs
 from pegainfer.server.bench.make_checkpoint import QWEN35_SHAPES, SHAPES, write_weights
 from pegainfer.server.bench.report import git_revision
 
@@ -72,14 +78,52 @@ def plan_for(
     vocab = engine.model.vocab_size
     chunks = torch.randint(0, vocab, (batch, k + 1), generator=g).tolist()
     recurrent = bool(engine.model.state_arenas())
+    # Speculating with recurrent state, a verify chunk keeps the state before its drafts in
+    # the sequence's rollback slot (after the sequence and checkpoint slots; no checkpoints).
+    rollback = engine.scheduler.config.rollback_slots
+    snapshots = [None] * batch
+    if k and rollback is not None:
+        snapshots = [(1, rollback + i) for i in range(batch)]
     return StepPlan(
         token_chunks=chunks, start_positions=[context] * batch, block_tables=tables[:batch],
         sample_mask=[True] * batch, every_row=[False] * batch,
         state_slots=list(range(batch)) if recurrent else [],
         state_restore=[None] * batch if recurrent else [],
-        state_snapshot=[None] * batch if recurrent else [],
+        state_snapshot=snapshots if recurrent else [],
         num_drafts=[k] * batch if k else [],
     )  # fmt: skip
+
+
+def draft_time(
+    engine: EngineCore, plan: StepPlan, k: int, context: int, tables: list[list[int]], iters: int
+) -> float:
+    """Median wall seconds of the line's drafter proposing k drafts for every sequence of
+    `plan` after its verify forward accepted them all (the first draft over the 1 + k rows
+    that stand, then k - 1 more)."""
+    runner, batch = engine.runner, len(plan.token_chunks)
+    vocab = engine.model.vocab_size
+    requests = []
+    for i, chunk in enumerate(plan.token_chunks):
+        message = EngineRequest(request_id=str(i), prompt_token_ids=[0] * context + chunk + [0],
+                                params=SamplingParams(temperature=0.0), eos_token_ids=[],
+                                arrival_time=0.0)  # fmt: skip
+        request = Request(message, 1, None)
+        request.token_ids = [t % vocab for t in request.token_ids]
+        request.block_ids = tables[i]
+        requests.append(request)
+    inputs = DraftInputs(requests, [context] * batch, [i * (k + 1) for i in range(batch)],
+                         [k + 1] * batch, [True] * batch)  # fmt: skip
+    drafter = engine.speculative.drafter
+    drafter.num_tokens = k
+    runner.forward(runner.batch(plan))  # the target's hidden states the first draft reads
+    drafter.propose(inputs)
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        drafter.propose(inputs)  # ends in the drafts' copy to the host
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -91,6 +135,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument(
+        "--no-mtp", dest="mtp", action="store_false",
+        help="Qwen3.5 shapes: leave the MTP drafter out (verify steps alone, no rollback)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--revision", default=None)
     args = parser.parse_args()
@@ -107,6 +155,7 @@ def main() -> None:
             model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
             max_model_len=args.context + 64, enable_prefix_caching=False,
             max_num_batched_tokens=max(2048, max(batches) * (1 + max(ks))),
+            speculative_tokens=max(ks) if args.mtp and args.shape in QWEN35_SHAPES else 0,
         ))  # fmt: skip
     model, block_size = engine.model, engine.config.block_size
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -114,7 +163,8 @@ def main() -> None:
         weight_bytes -= model.embed_tokens.numel() * model.embed_tokens.element_size()
     kv_per_token = sum(s.bytes_per_block for s in model.kv_arenas(block_size)) // block_size
     state_bytes = 2 * sum(s.bytes_per_slot for s in model.state_arenas())
-    per_seq = -(-(args.context + 1 + max(ks)) // block_size)
+    # The context, the verify chunk and the drafter's k positions past it.
+    per_seq = -(-(args.context + 2 + 2 * max(ks)) // block_size)
     tables = [engine.block_manager.allocate(per_seq) for _ in range(max(batches))]
     rows = []
     for batch in batches:
@@ -124,15 +174,19 @@ def main() -> None:
         row = {"batch": batch, "decode_step_ms": decode * 1e3, "decode_path": decode_path,
                "hbm_floor_one_token_ms": floor * 1e3, "verify": []}  # fmt: skip
         for k in ks:
-            verify, path = step_time(engine, plan_for(engine, batch, k, args.context, tables),
-                                     k, args.iters)  # fmt: skip
+            plan = plan_for(engine, batch, k, args.context, tables)
+            verify, path = step_time(engine, plan, k, args.iters)
+            draft = 0.0
+            if engine.speculative is not None:
+                draft = draft_time(engine, plan, k, args.context, tables, args.iters)
+            step = verify + draft
             row["verify"].append({
-                "k": k, "step_ms": verify * 1e3, "path": path,
+                "k": k, "step_ms": verify * 1e3, "path": path, "draft_ms": draft * 1e3,
                 "vs_decode": verify / decode,
-                # Per accepted length a = 0..k: output tokens per second, and ms per token of
-                # one stream (the drafter's time not counted).
-                "tokens_per_s": [batch * (1 + a) / verify for a in range(k + 1)],
-                "tpot_ms": [verify * 1e3 / (1 + a) for a in range(k + 1)],
+                # Per accepted length a = 0..k, verify and draft together: output tokens per
+                # second, and ms per token of one stream.
+                "tokens_per_s": [batch * (1 + a) / step for a in range(k + 1)],
+                "tpot_ms": [step * 1e3 / (1 + a) for a in range(k + 1)],
             })  # fmt: skip
         print(json.dumps(row), flush=True)
         rows.append(row)
