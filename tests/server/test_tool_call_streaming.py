@@ -24,6 +24,7 @@ from pegainfer.server.tool_calls import (
     Qwen3XmlToolCalls,
     ToolCall,
     ToolCallParser,
+    joined,
     whole_calls,
 )
 
@@ -246,3 +247,22 @@ def test_forced_arguments_go_out_as_they_are_decoded(function, text):
         mine = [piece for piece in pieces if piece.index == index]
         assert mine[0].id is not None and mine[0].arguments == ""
         assert len(mine) > 2, mine
+
+
+def test_a_chunk_carries_one_entry_per_call():
+    """A call's naming piece and its first arguments, settled by one delta, go out as one
+    entry (instructor reads only a chunk's first entry: it lost the arguments)."""
+    parser = ForcedToolCalls(None)
+    _, pieces = parser.feed('[{"name":"now","parameters":{"a":1}},{"name":"now","parameters":{')
+    assert len(pieces) == 4
+    first, second = joined(pieces)
+    assert (first.id is not None, first.index, first.name, first.arguments) == (
+        True,
+        0,
+        "now",
+        '{"a":1}',
+    )
+    assert (second.id is not None, second.index, second.arguments) == (True, 1, "{")
+    assert joined([ToolCall(None, None, "x", 1), ToolCall(None, None, "y", 1)]) == [
+        ToolCall(None, None, "xy", 1)
+    ]

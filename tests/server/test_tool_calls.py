@@ -137,6 +137,8 @@ def streamed_calls(deltas) -> list[StreamedCall]:
     first piece of a call carries its id and name (once), the others more of its arguments."""
     calls: dict[int, StreamedCall] = {}
     for delta in deltas:
+        indexes = [piece.index for piece in delta.tool_calls or []]
+        assert len(indexes) == len(set(indexes)), delta  # one entry per call in a chunk
         for piece in delta.tool_calls or []:
             if piece.index not in calls:
                 assert piece.id and piece.function.name, piece

@@ -41,7 +41,7 @@ from pegainfer.server.protocol import (
 )
 from pegainfer.server.reasoning import ThinkSplitter
 from pegainfer.server.structured import forced_tool_calls
-from pegainfer.server.tool_calls import ToolCall, ToolCallParser, whole_calls
+from pegainfer.server.tool_calls import ToolCall, ToolCallParser, joined, whole_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -299,7 +299,7 @@ class Chat:
             if not body.include_reasoning:
                 reasoning = ""
             tool_calls = []
-            for call in calls:  # numbered by the parser when it streams, else in order
+            for call in joined(calls):  # numbered by the parser when it streams, else in order
                 number = num_calls[index] if call.index is None else call.index
                 if call.id is not None:
                     num_calls[index] += 1

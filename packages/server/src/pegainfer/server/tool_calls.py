@@ -64,6 +64,19 @@ def whole_calls(pieces: list[ToolCall]) -> list[ToolCall]:
     return calls
 
 
+def joined(pieces: list[ToolCall]) -> list[ToolCall]:
+    """One delta's pieces with each call's consecutive pieces joined into one: a stream chunk
+    carries one entry per call, as OpenAI's and vLLM's do (clients such as instructor read
+    only the first entry of a chunk)."""
+    out: list[ToolCall] = []
+    for piece in pieces:
+        if out and piece.id is None and out[-1].index == piece.index:
+            out[-1] = replace(out[-1], arguments=out[-1].arguments + piece.arguments)
+        else:
+            out.append(piece)
+    return out
+
+
 class ToolCallParser(ABC):
     """Splits one answer into content and tool calls as its text arrives."""
 
