@@ -6,13 +6,14 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
-from pegainfer.server.bench import cli, multiturn, serve
+from pegainfer.server.bench import cli, multiturn, report, serve
 from pegainfer.server.bench.client import BenchClient, Generation, RequestResult
 from pegainfer.server.bench.datasets import RandomTokens
 from pegainfer.server.bench.serve import arrival_times
@@ -236,3 +237,11 @@ def test_revision_comes_from_the_environment_where_the_tree_has_no_git(monkeypat
     assert git_revision() == "0123abcd"
     monkeypatch.delenv("PEGAINFER_REVISION")
     assert git_revision() != "0123abcd"
+
+
+def test_the_sweep_plot_without_the_bench_extra_says_what_to_install(monkeypatch, tmp_path):
+    """pegainfer-bench comes with the server; its plots need the bench extra (#28 item 16)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit, match=r"pip install 'pegainfer-server\[bench\]'"):
+        report.plot_sweep([], tmp_path / "sweep.png", "sweep")
+    assert not (tmp_path / "sweep.png").exists()
