@@ -121,3 +121,54 @@ def test_preemption_and_stops(path):
 def test_self_drafts_are_refused(path):
     with pytest.raises(ConfigError, match="recurrent state"):
         make_engine(path, speculative_tokens=2, speculative_method="self")
+
+
+def _zero_centred_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+
+
+def test_mtp_drafts_match_a_transformers_reference(path):
+    """The drafts equal what vLLM's Qwen3.5 MTP step computes, written with transformers: its
+    main model's final hidden states h_i, fc over [norm_e(embed(token i + 1)), norm_h(h_i)],
+    the `mtp.layers.0` decoder layer (a one-layer transformers model holding it, its final norm
+    `mtp.norm`, the tied head), greedy; later drafts from the layer's own output, one position
+    on."""
+    import transformers
+    from safetensors.torch import load_file
+
+    k = 4
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    one_layer = {"num_hidden_layers": 1, "layer_types": ["full_attention"]}
+    config = hf.config.__class__(**(hf.config.to_dict() | one_layer))
+    mtp = transformers.Qwen3_5ForCausalLM(config).eval()
+    tensors = load_file(path / "model.safetensors")
+    state = {"model.embed_tokens.weight": tensors["model.language_model.embed_tokens.weight"],
+             "model.norm.weight": tensors["mtp.norm.weight"]}  # fmt: skip
+    state |= {name.replace("mtp.layers.0.", "model.layers.0."): t
+              for name, t in tensors.items() if name.startswith("mtp.layers.0.")}  # fmt: skip
+    mtp.load_state_dict(state, strict=False)
+    eps = config.rms_norm_eps
+
+    def fc(tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        embedded = mtp.model.embed_tokens(torch.tensor(tokens))
+        norm_e, norm_h = (tensors[f"mtp.pre_fc_norm_{n}.weight"] for n in ("embedding", "hidden"))
+        x = torch.cat([_zero_centred_norm(embedded, norm_e, eps),
+                       _zero_centred_norm(hidden, norm_h, eps)], dim=-1)  # fmt: skip
+        return x @ tensors["mtp.fc.weight"].T
+
+    engine = make_engine(path, speculative_tokens=k)
+    for i, prompt in enumerate(prompts(6, (23, 5, 40, 12, 31, 2))):
+        with torch.inference_mode():
+            main = hf.model(torch.tensor([prompt]))
+            first = int(hf.lm_head(main.last_hidden_state[0, -1]).argmax())
+            rows = fc([*prompt[1:], first], main.last_hidden_state[0])
+            expected = []
+            for _ in range(k):
+                out = mtp.model(inputs_embeds=rows[None]).last_hidden_state[0]
+                expected.append(int(mtp.lm_head(out[-1]).argmax()))
+                rows = torch.cat([rows, fc([expected[-1]], out[-1:])])
+        submit(engine, str(i), prompt, greedy(2))
+        (output,) = engine.step()  # the prefill: the first token, then the drafts after it
+        assert output.new_token_ids == [first]
+        assert engine.requests[str(i)].draft_token_ids == expected
+        engine.abort([str(i)])
