@@ -4,9 +4,11 @@ reach each other through a network (needs root, or CAP_NET_ADMIN, and `ip`)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -26,10 +28,12 @@ class Host:
     address: str
 
     def popen(self, cmd: list[str], log: Path, env: dict[str, str] | None = None):
-        """Start `cmd` in this host's namespace, its output going to `log`."""
+        """Start `cmd` in this host's namespace, its output going to `log`, in a process group
+        of its own (`end` kills whatever it started)."""
         with open(log, "w") as handle:  # the child keeps its own descriptor
             return subprocess.Popen(["ip", "netns", "exec", self.namespace, *cmd], stdout=handle,
-                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
+                                    stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)  # fmt: skip
 
     def call(self, fn: Callable[[], T]) -> T:
         """fn() run from this host's network (a thread of ours that enters the namespace:
@@ -53,6 +57,13 @@ class Host:
         if isinstance(result[0], BaseException):
             raise result[0]
         return result[0][0]
+
+
+def end(process: subprocess.Popen) -> None:
+    """Kill the process group `Host.popen` started (the process and what it started)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def unavailable() -> str | None:

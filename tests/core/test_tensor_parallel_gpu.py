@@ -101,6 +101,51 @@ def test_two_gpus_generate_what_one_does(checkpoints, line, layout, async_schedu
         two.shutdown()
 
 
+@pytest.mark.parametrize(("line", "layout"), [("qwen3", "tensor"), ("deepseek", "data")])
+def test_two_gpus_as_two_hosts_generate_what_one_does(checkpoints, line, layout, tmp_path):
+    """The several-hosts path on one machine: rank 0 here on GPU 0 (node 0, in this process),
+    rank 1 in `pegainfer-server --node-rank 1` seeing only GPU 1 (its local GPU 0), meeting at
+    127.0.0.1 over NCCL and the remote ranks' TCP link. Node 1 exits 0 once rank 0 stops."""
+    import subprocess
+    import sys
+
+    from tests.server.conftest import free_port
+
+    path, vocab = checkpoints[line]
+    one = gpu_engine(path)
+    expected = generate(one, prompts(vocab), greedy(24))
+    del one
+    gc.collect()
+    torch.cuda.empty_cache()
+    layout_flags = {"tensor": ["--tensor-parallel-size", "2"],
+                    "data": ["--data-parallel-size", "2", "--enable-expert-parallel"]}  # fmt: skip
+    port = free_port()
+    hosts = dict(nnodes=2, master_addr="127.0.0.1", master_port=port, rendezvous_timeout=120)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")
+    log = tmp_path / "node1.log"
+    with open(log, "w") as handle:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "pegainfer.server.cli", "--model-path", str(path),
+             "--device", "cuda", "--dtype", "bfloat16", *layout_flags[layout], "--nnodes", "2",
+             "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "--rendezvous-timeout", "120"],
+            stdout=handle, stderr=subprocess.STDOUT,
+            env=os.environ | {"CUDA_VISIBLE_DEVICES": visible[1]},
+        )  # fmt: skip
+    try:
+        two = gpu_engine(path, **LAYOUTS[layout], **hosts)
+        try:
+            assert two.runner.graphs is not None
+            assert generate(two, prompts(vocab), greedy(24)) == expected
+        finally:
+            two.shutdown()
+        assert node1.wait(60) == 0, log.read_text()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
 def real_shape_checkpoint(line: str, tmp_path_factory) -> Path:
     """Qwen3-8B's or DeepSeek-V2-Lite's shapes with the gate's random weights (written by
     transformers), or the directory in QWEN3_8B_GATE_DIR / DEEPSEEK_GATE_DIR. The Qwen3 writer

@@ -6,6 +6,7 @@ turns node 0's /health 503 and node 1's process exits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from tests.engine_harness import generate, greedy, make_engine
-from tests.namespace_hosts import Host, two_hosts, unavailable
+from tests.namespace_hosts import Host, end, two_hosts, unavailable
 from tests.server.conftest import free_port
 
 # Generous bounds for a busy two-core machine: each is a wait for a condition, not a sleep.
@@ -70,9 +71,7 @@ class Cluster:
 
     def stop(self) -> None:
         for process in (self.node0, self.node1):
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            end(process)
 
 
 def tiny(tmp_path: Path, layout: str) -> Path:
@@ -195,6 +194,41 @@ def test_a_rank_killed_on_the_other_host_fails_requests_and_health(hosts, tmp_pa
         assert cluster.node0.poll() is None  # it stays up to say so
         assert "hung up mid-run" in cluster.logs[0].read_text()
     finally:
+        cluster.stop()
+
+
+@pytest.mark.line("qwen3")
+def test_torchrun_starts_one_server_per_host(hosts, tmp_path):
+    """torchrun (static rendezvous, one process per host) with no pegainfer host flags: its
+    environment names the hosts and its agent's store is the rendezvous."""
+    model = tiny(tmp_path, "tensor")
+    expected = generate(make_engine(model, max_model_len=256, block_size=16), prompts()[:2],
+                        greedy(8))  # fmt: skip
+    node0, node1 = hosts
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    logs = (tmp_path / "node0.log", tmp_path / "node1.log")
+
+    def torchrun(node: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
+                node0.address, "--master-port", "29400", "--no-python", sys.executable, "-m",
+                "pegainfer.server.cli", "--model-path", str(model), "--device", "cpu",
+                "--max-model-len", "256", "--tensor-parallel-size", "2", "--port",
+                str(_PORT)]  # fmt: skip
+
+    worker = node1.popen(torchrun(1), logs[1], env)
+    server = node0.popen(torchrun(0), logs[0], env)
+    cluster = Cluster(server, worker, node0, logs, str(model))
+    try:
+        wait_ready(cluster)
+        assert [cluster.complete(p, 8) for p in prompts()[:2]] == expected
+        assert "rendezvous at 10.213.7.1:29400" in logs[1].read_text()
+    finally:  # torchrun runs its workers in sessions of their own: it must stop them itself
+        for agent in (server, worker):
+            agent.send_signal(signal.SIGTERM)
+        for agent in (server, worker):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(_EXIT_S)
         cluster.stop()
 
 

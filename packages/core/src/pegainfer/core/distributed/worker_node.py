@@ -40,7 +40,8 @@ def run_worker_node(args: EngineArgs) -> int:
         raise ConfigError("node 0 runs the engine and the HTTP server, not a worker node")
     keep_multicast_off()
     nodes.choose_gloo_interface()
-    logger.info("%s; this host runs workers only (no HTTP server: node 0 serves it)",
+    logger.info("%s; this host runs workers only (no HTTP server: node 0 serves it; the "
+                "engine's settings beyond the model and layout are node 0's)",
                 nodes.describe())  # fmt: skip
     context = mp.get_context("spawn")
     ranks = {
