@@ -59,6 +59,7 @@ def test_torchrun_starting_several_servers_on_a_host_is_refused():
     ({}, {"tensor_parallel_size": 2, "nnodes": 2}, "needs --master-addr"),
     ({}, {"tensor_parallel_size": 2, "master_port": 5}, "--master-port only apply with --nnodes"),
     ({}, {"node_rank": 0, "master_addr": "a"}, "--node-rank, --master-addr only apply"),
+    ({}, {"rendezvous_timeout": 5}, "--rendezvous-timeout only apply"),
     ({"MASTER_PORT": "x"}, {"tensor_parallel_size": 2, "nnodes": 2, "master_addr": "a"},
      "MASTER_PORT must be an integer"),
     (TORCHRUN | {"GROUP_WORLD_SIZE": "4"}, {"tensor_parallel_size": 2},

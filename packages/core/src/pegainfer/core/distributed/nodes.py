@@ -82,7 +82,8 @@ class Nodes:
             node_rank = _int(env, "GROUP_RANK") if torchrun else 0
         if nnodes == 1:
             given = [f"--{name.replace('_', '-')}" for name in
-                     ("node_rank", "master_addr", "master_port") if name in explicit]  # fmt: skip
+                     ("node_rank", "master_addr", "master_port", "rendezvous_timeout")
+                     if name in explicit]  # fmt: skip
             if given:
                 raise ConfigError(f"{', '.join(given)} only apply with --nnodes > 1")
             return cls(world)

@@ -172,7 +172,7 @@ def _exit_when_rank_0_hangs_up(connection: Connection, stopped: threading.Event)
     while not poller.poll():
         pass
     if not stopped.is_set():
-        logger.error("rank 0 hung up (its host stopped or failed): exiting")
+        print("parallel rank: rank 0 hung up (its host stopped or failed)", flush=True)
     os._exit(0 if stopped.is_set() else 1)
 
 

@@ -1,7 +1,9 @@
 """The ranks of a parallel engine (tensor-parallel, or data-parallel attention): rank 0 is
 the engine's own process (scheduler, sampler, rank 0's share of the model); ranks 1..N-1 are
-worker processes it starts, each holding its share of the model and of the KV cache (with
-data-parallel attention, its own sequences' cache), on GPU `rank` (CUDA) or the CPU. Every
+worker processes it starts on its host, or the other hosts start (`nodes.py`: their messages
+come over TCP, `remote_ranks.py`), each holding its share of the model and of the KV cache (with
+data-parallel attention, its own sequences' cache), on its host's GPU `rank` mod the ranks
+per host (CUDA) or the CPU. Every
 rank loads its share of the weights before the ranks join, so the workers' start (spawn,
 imports) overlaps rank 0's loading.
 
@@ -220,8 +222,11 @@ def worker_main(rank: int, nodes: Nodes, spec: WorkerSpec, inbox: Connection | N
     _init(rank, world, store, device)
     try:
         _serve(model, device, inbox)
+    except EOFError:
+        print(f"parallel rank {rank}: rank 0 hung up (its host stopped or failed)", flush=True)
+        os._exit(1)
     except BaseException:
-        # Rank 0 died or a collective failed: exit at once, never waiting on peers that left.
+        # A collective failed (or rank 0 went): exit at once, never waiting on peers that left.
         traceback.print_exc()
         os._exit(1)
     if stopped is not None:

@@ -73,6 +73,7 @@ def _supervise(ranks: dict[mp.process.BaseProcess, int], stop: threading.Event) 
         ended = mp_connection.wait([p.sentinel for p in running], timeout=0.2)
         for process in [p for p in running if p.sentinel in ended]:
             rank = running.pop(process)
+            process.join()  # its sentinel closes as it exits, before its exit code is known
             if process.exitcode != 0:
                 logger.error("parallel rank %d exited with code %s; ending this host's ranks",
                              rank, process.exitcode)  # fmt: skip
