@@ -26,6 +26,7 @@ _SUBNET = "10.213.7"
 class Host:
     namespace: str
     address: str
+    link: str  # its end of the veth pair
 
     def popen(self, cmd: list[str], log: Path, env: dict[str, str] | None = None):
         """Start `cmd` in this host's namespace, its output going to `log`, in a process group
@@ -84,20 +85,27 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
     in them."""
     names = [f"pgi-{os.getpid()}-{i}" for i in range(2)]
     links = [f"pgv{os.getpid() % 100000}{i}" for i in range(2)]  # at most 15 characters
-    hosts = [Host(name, f"{_SUBNET}.{i + 1}") for i, name in enumerate(names)]
+    hosts = [Host(name, f"{_SUBNET}.{i + 1}", link) for i, (name, link) in
+             enumerate(zip(names, links, strict=True))]  # fmt: skip
     try:
         for name in names:
             _ip("netns", "add", name)
         _ip("link", "add", links[0], "netns", names[0], "type", "veth", "peer", "name", links[1],
             "netns", names[1])  # fmt: skip
-        for host, link in zip(hosts, links, strict=True):
-            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", link)
-            _ip("-n", host.namespace, "link", "set", link, "up")
+        for host in hosts:
+            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.link)
+            _ip("-n", host.namespace, "link", "set", host.link, "up")
             _ip("-n", host.namespace, "link", "set", "lo", "up")
         yield hosts[0], hosts[1]
     finally:
         for name in names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def cut_off(host: Host) -> None:
+    """Take `host`'s link down: its peers get no answer from it, nor it from them, and no
+    connection is closed (a host losing power or its network)."""
+    _ip("-n", host.namespace, "link", "set", host.link, "down")
 
 
 def _ip(*args: str) -> None:

@@ -22,7 +22,7 @@ def test_one_host_by_default():
 def test_several_hosts_from_the_flags():
     found = nodes(tensor_parallel_size=4, nnodes=2, node_rank=1, master_addr="10.0.0.1",
                   master_port=1234, rendezvous_timeout=30)  # fmt: skip
-    assert found == Nodes(4, 2, 1, "10.0.0.1", 1234, timedelta(seconds=30))
+    assert found == Nodes(4, 2, 1, "10.0.0.1", 1234, timedelta(seconds=30), timedelta(seconds=30))
     assert found.per_node == 2 and found.local_ranks == range(2, 4)
     assert [found.node_of(r) for r in range(4)] == [0, 0, 1, 1]
     assert [found.local_rank(r) for r in range(4)] == [0, 1, 0, 1]
@@ -59,7 +59,8 @@ def test_torchrun_starting_several_servers_on_a_host_is_refused():
     ({}, {"tensor_parallel_size": 2, "nnodes": 2}, "needs --master-addr"),
     ({}, {"tensor_parallel_size": 2, "master_port": 5}, "--master-port only apply with --nnodes"),
     ({}, {"node_rank": 0, "master_addr": "a"}, "--node-rank, --master-addr only apply"),
-    ({}, {"rendezvous_timeout": 5}, "--rendezvous-timeout only apply"),
+    ({}, {"rendezvous_timeout": 5, "peer_timeout": 3},
+     "--rendezvous-timeout, --peer-timeout only apply"),
     ({"MASTER_PORT": "x"}, {"tensor_parallel_size": 2, "nnodes": 2, "master_addr": "a"},
      "MASTER_PORT must be an integer"),
     (TORCHRUN | {"GROUP_WORLD_SIZE": "4"}, {"tensor_parallel_size": 2},
@@ -75,6 +76,7 @@ def test_bad_hosts_are_refused(env, args, error):
     ({"nnodes": 2, "node_rank": 2, "tensor_parallel_size": 2}, r"node_rank must be in \[0, 2\)"),
     ({"master_port": 70000}, "master_port must be in"),
     ({"rendezvous_timeout": 0}, "rendezvous_timeout must be a positive number"),
+    ({"peer_timeout": float("inf")}, "peer_timeout must be a positive number"),
     ({"nnodes": 2, "tensor_parallel_size": 3}, "3 ranks do not split evenly over --nnodes 2"),
 ])  # fmt: skip
 def test_bad_host_flags_are_refused_before_anything_starts(args, error):

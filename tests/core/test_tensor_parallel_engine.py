@@ -465,6 +465,25 @@ def test_a_dead_rank_fails_the_engine(checkpoint):
         engine.shutdown()
 
 
+def test_a_rank_dying_while_the_loop_idles_fails_it_at_once(checkpoint):
+    """No request needs to run into the dead rank: the watcher wakes the idle loop, which
+    reports the engine failed (the server's /health then turns 503)."""
+    import queue
+
+    from pegainfer.core.engine.loop import EngineLoop, decode_outputs
+
+    loop = EngineLoop(make_engine(checkpoint, tensor_parallel_size=2))
+    sent: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+    loop.start(sent.put)
+    try:
+        loop.engine.ranks.workers[0].kill()
+        failure = decode_outputs(sent.get(timeout=60)).engine_failed
+        assert failure is not None and "parallel rank 1 exited mid-run" in failure
+        assert not loop.alive
+    finally:
+        loop.shutdown()
+
+
 def test_what_tensor_parallelism_does_not_cover_yet_is_refused(checkpoint):
     with pytest.raises(ConfigError, match="--kv-offload does not work with parallel ranks"):
         make_engine(checkpoint, tensor_parallel_size=2, kv_offload=True)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.engine_harness import generate, greedy, make_engine
-from tests.namespace_hosts import Host, end, two_hosts, unavailable
+from tests.namespace_hosts import Host, cut_off, end, two_hosts, unavailable
 from tests.server.conftest import free_port
 
 # Generous bounds for a busy two-core machine: each is a wait for a condition, not a sleep.
@@ -90,7 +90,8 @@ def command(model: Path, layout: str, master: str, *extra: str) -> list[str]:
 
 
 def start(hosts: tuple[Host, Host], tmp_path: Path, model: Path, layout: str,
-          node1_flags: tuple[str, ...] = (), max_model_len: int = 256) -> Cluster:  # fmt: skip
+          node1_flags: tuple[str, ...] = (), max_model_len: int = 256,
+          node0_flags: tuple[str, ...] = ()) -> Cluster:  # fmt: skip
     """Node 1 first (it waits for node 0's rendezvous), then node 0."""
     node0, node1 = hosts
     node1_flags = ("--max-model-len", str(max_model_len), *node1_flags)
@@ -99,7 +100,8 @@ def start(hosts: tuple[Host, Host], tmp_path: Path, model: Path, layout: str,
     worker = node1.popen(command(model, layout, node0.address, "--node-rank", "1", *node1_flags),
                          logs[1], env)  # fmt: skip
     server = node0.popen(command(model, layout, node0.address, "--max-model-len",
-                                 str(max_model_len), "--host", "0.0.0.0", "--port", str(_PORT)),
+                                 str(max_model_len), "--host", "0.0.0.0", "--port", str(_PORT),
+                                 *node0_flags),
                          logs[0], env)  # fmt: skip
     return Cluster(server, worker, node0, logs, str(model))
 
@@ -192,6 +194,26 @@ def test_a_rank_killed_on_the_other_host_fails_requests_and_health(hosts, tmp_pa
                                                      timeout=30))  # fmt: skip
         assert reply.status_code >= 500
         assert cluster.node0.poll() is None  # it stays up to say so
+        assert "hung up mid-run" in cluster.logs[0].read_text()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.line("qwen3")
+def test_a_host_that_stops_answering_is_noticed_after_the_peer_timeout(hosts, tmp_path):
+    """Node 1's link goes down while the server idles (no process dies, no connection
+    closes): after --peer-timeout node 0's /health turns 503 and node 1 exits 1."""
+    cluster = start(hosts, tmp_path, tiny(tmp_path, "tensor"), "tensor", ("--peer-timeout", "3"),
+                    node0_flags=("--peer-timeout", "3"))  # fmt: skip
+    try:
+        wait_ready(cluster)
+        assert len(cluster.complete(prompts()[0], 4)) == 4
+        cut_off(hosts[1])
+        deadline = time.monotonic() + _EXIT_S
+        while cluster.get("/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert cluster.get("/health").status_code == 503, cluster.output()
+        assert wait_exit(cluster.node1, cluster) == 1
         assert "hung up mid-run" in cluster.logs[0].read_text()
     finally:
         cluster.stop()

@@ -155,6 +155,12 @@ class EngineArgs:
         "(node 0 for each host's ranks to connect, the others for node 0 to listen). Once "
         "connected, a rank may load for as long as it takes.",
     )
+    peer_timeout: float = _arg(
+        30.0,
+        "With --nnodes > 1: seconds after which a host that stopped answering (power, network; "
+        "a process that dies is seen at once) counts as gone: rank 0 then fails the engine and "
+        "that host's ranks exit (TCP keepalive on the link between them).",
+    )
     kv_events_config: str | None = _arg(
         None,
         "Publish the prefix cache's block stored / removed events for routers that route by "
@@ -264,11 +270,11 @@ class EngineArgs:
             raise ConfigError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.master_port is not None and not 0 < self.master_port < 1 << 16:
             raise ConfigError(f"master_port must be in [1, 65535], got {self.master_port}")
-        if not 0 < self.rendezvous_timeout < float("inf"):
-            raise ConfigError(
-                f"rendezvous_timeout must be a positive number of seconds, got "
-                f"{self.rendezvous_timeout}"
-            )
+        for name in ("rendezvous_timeout", "peer_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(
+                    f"{name} must be a positive number of seconds, got {getattr(self, name)}"
+                )
         world = self.tensor_parallel_size * self.data_parallel_size
         if world % self.nnodes:
             raise ConfigError(

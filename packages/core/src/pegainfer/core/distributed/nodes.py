@@ -56,6 +56,8 @@ class Nodes:
     #: 0 on one host: the store binds a free port.
     master_port: int = 0
     rendezvous_timeout: timedelta = timedelta(seconds=600)
+    #: How long another host may stay silent before it counts as gone (`remote_ranks`).
+    peer_timeout: timedelta = timedelta(seconds=30)
     #: torchrun's agent hosts the store; rank 0 is one more client.
     agent_store: bool = False
     #: The store's keys for this run (torchrun's run and restart: its store outlives a run).
@@ -82,7 +84,8 @@ class Nodes:
             node_rank = _int(env, "GROUP_RANK") if torchrun else 0
         if nnodes == 1:
             given = [f"--{name.replace('_', '-')}" for name in
-                     ("node_rank", "master_addr", "master_port", "rendezvous_timeout")
+                     ("node_rank", "master_addr", "master_port", "rendezvous_timeout",
+                      "peer_timeout")
                      if name in explicit]  # fmt: skip
             if given:
                 raise ConfigError(f"{', '.join(given)} only apply with --nnodes > 1")
@@ -102,8 +105,8 @@ class Nodes:
         if torchrun:
             run = env.get("TORCHELASTIC_RUN_ID", "")
             prefix = f"pegainfer/{run}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        return cls(world, nnodes, node_rank, addr, port,
-                   timedelta(seconds=args.rendezvous_timeout), agent_store, prefix)  # fmt: skip
+        return cls(world, nnodes, node_rank, addr, port, timedelta(seconds=args.rendezvous_timeout),
+                   timedelta(seconds=args.peer_timeout), agent_store, prefix)  # fmt: skip
 
     @property
     def per_node(self) -> int:

@@ -10,8 +10,11 @@ dies closes its sockets, so rank 0 sees a remote rank's connection turn readable
 writes after its hello) and the rank sees rank 0's end hang up (POLLRDHUP: readable is taken by
 its message loop) and exits, even from inside a collective that will never complete.
 
-A host that vanishes without closing its sockets (power, network) is noticed by the forward's
-collectives' time limit (PEGAINFER_TP_TIMEOUT_S), as a hung GPU is.
+A host that vanishes without closing its sockets (power, network) is noticed by TCP keepalive
+on the link: after --peer-timeout seconds without an answer the kernel fails the connection,
+which both sides see as above, idle or not; data sent and never acknowledged fails it as soon
+(TCP_USER_TIMEOUT). A host that answers but hangs (a stuck GPU) is the forward's collectives'
+time limit's to notice (PEGAINFER_TP_TIMEOUT_S).
 
 The link, like torch.distributed's store and NCCL, trusts the network between the hosts: run
 them on a private network.
@@ -27,6 +30,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
 
 import torch.distributed as dist
@@ -114,7 +118,7 @@ class RemoteRanks:
 
     def _greet(self, connection: Connection) -> None:
         """Read a rank's hello; accept it or answer why not (and fail the start)."""
-        _tune(connection)
+        _tune(connection, self._nodes.peer_timeout)
         if not connection.poll(self._nodes.rendezvous_timeout.total_seconds()):
             raise ValueError("it sent no hello")
         hello = json.loads(connection.recv_bytes())
@@ -155,7 +159,7 @@ def connect_to_rank_0(
         raise RemoteRankError(
             f"rank {rank} could not connect to rank 0 at {nodes.master_addr}:{port}: {exc}"
         ) from exc
-    _tune(connection)
+    _tune(connection, nodes.peer_timeout)
     connection.send_bytes(json.dumps({"rank": rank, "terms": dict(terms)}).encode())
     answer = json.loads(connection.recv_bytes())
     if answer["error"] is not None:
@@ -176,12 +180,20 @@ def _exit_when_rank_0_hangs_up(connection: Connection, stopped: threading.Event)
     os._exit(0 if stopped.is_set() else 1)
 
 
-def _tune(connection: Connection) -> None:
+def _tune(connection: Connection, peer_timeout: timedelta) -> None:
     """No Nagle (a message's header and body go in two writes: the second would wait for the
-    first's ACK) and a send buffer that holds a large plan."""
+    first's ACK), a send buffer that holds a large plan, and keepalive probes that fail the
+    connection once the peer has not answered for `peer_timeout` (a third of it idle, then
+    four probes over the rest)."""
+    seconds = peer_timeout.total_seconds()
     sock = socket.socket(fileno=os.dup(connection.fileno()))
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, round(seconds / 3)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(seconds / 6)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(seconds * 1000)))
     finally:
         sock.close()

@@ -291,6 +291,7 @@ class TensorParallelRanks:
         self.group = ParallelGroup(0, nodes.world)
         self._joined, self._open = False, True
         self.failed: str | None = None
+        self._on_failure: list[Callable[[], None]] = []
         self.remote: RemoteRanks | None = None
         atexit.register(self.shutdown)
         try:
@@ -368,6 +369,8 @@ class TensorParallelRanks:
             return
         self.failed = ended_by[ended[0]]
         logger.error("%s; stopping the other ranks", self.failed)
+        for callback in self._on_failure:
+            callback()
         for worker in self.workers:
             worker.kill()
         if self.remote is not None:
@@ -423,9 +426,18 @@ class TensorParallelRanks:
         for outbox in self._outboxes:
             outbox.send_bytes(data)
 
-    def _collective(self, call: Callable[[], T]) -> T:
+    def notify_on_failure(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from the watcher's thread) once a rank has failed mid-run, so an
+        idle engine learns of it without waiting for its next step."""
+        self._on_failure.append(callback)
+
+    def check(self) -> None:
+        """Raise `RankFailedError` if a rank has failed."""
         if self.failed is not None:
             raise RankFailedError(f"{self.failed}; the engine cannot continue")
+
+    def _collective(self, call: Callable[[], T]) -> T:
+        self.check()
         for rank, worker in enumerate(self.workers, start=1):
             if not worker.is_alive():
                 raise RankFailedError(

@@ -12,6 +12,7 @@ import importlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -493,6 +494,16 @@ class EngineCore:
             tier.nbytes / _GIB,
         )
         return tier
+
+    def notify_on_rank_failure(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from another thread) if a parallel rank fails mid-run."""
+        if self.ranks is not None:
+            self.ranks.notify_on_failure(callback)
+
+    def check_ranks(self) -> None:
+        """Raise `RankFailedError` if a parallel rank has failed (even with nothing to run)."""
+        if self.ranks is not None:
+            self.ranks.check()
 
     def shutdown(self) -> None:
         """Stop the parallel workers, if any, and the KV-event publishers (the engine is

@@ -84,7 +84,7 @@ class EngineLoop:
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.config = engine.config
-        # Encoded inbound messages; None wakes the loop when a grammar has compiled.
+        # Encoded inbound messages; None wakes the loop (a grammar has compiled, a rank failed).
         self._inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._compiling: dict[str, tuple[EngineRequest, Future]] = {}
@@ -123,12 +123,15 @@ class EngineLoop:
         """Step the engine until a `Shutdown` arrives or a step fails; `sink` gets every
         encoded `EngineOutputs` (from this thread: it must not block)."""
         outputs: list[RequestOutput] = []
+        # A parallel rank failing while the loop idles wakes it (None), to fail at once.
+        self.engine.notify_on_rank_failure(lambda: self._inbox.put(None))
         try:
             while True:
                 for message in self._receive(block=not self.engine.has_unfinished_requests):
                     if isinstance(message, Shutdown):
                         return
                     outputs.extend(self._handle(message))
+                self.engine.check_ranks()
                 outputs.extend(self._admit_compiled())
                 outputs.extend(self.engine.step())
                 if outputs:
