@@ -17,10 +17,11 @@ from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.engine.metrics import Metrics
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.sampling.structured_output import StructuredOutput
+from pegainfer.core.speculative.drafter import Drafter, DraftInputs, Drafts
 from pegainfer.models.qwen3.line import Qwen3Line
 from tests import engine_harness
 from tests.engine_harness import DEFAULTS, check_prefix_hit_equals_cold, generate, greedy
-from tests.qwen3.hf_reference import VOCAB
+from tests.qwen3.hf_reference import VOCAB, load_hf
 from tests.speculative_harness import SpoilingDrafter, run_workload
 
 
@@ -222,3 +223,51 @@ def test_refusals(path):
     with pytest.raises(InvalidRequestError, match="--speculative-tokens"):
         engine_harness.submit(engine, "json", [1, 2, 3],
                               SamplingParams(max_tokens=4, structured=schema))  # fmt: skip
+
+
+class UniformDrafter(Drafter):
+    """Drafts drawn uniformly over the vocabulary, with those probabilities: rejection sampling
+    keeps a draft d with probability min(1, V p(d)) and redraws the rest from the residual."""
+
+    def __init__(self, num_tokens: int, vocab: int) -> None:
+        super().__init__(num_tokens)
+        self.vocab = vocab
+        self.generator = torch.Generator().manual_seed(0)
+
+    def propose(self, inputs: DraftInputs) -> Drafts:
+        count, k = len(inputs.drafted), self.num_tokens
+        tokens = torch.randint(0, self.vocab, (count, k), generator=self.generator)
+        return Drafts(tokens.tolist(), torch.full((count, k, self.vocab), 1.0 / self.vocab))
+
+
+def chi_square_999(df: int) -> float:
+    """The chi-square distribution's 0.999 quantile (Wilson and Hilferty's approximation)."""
+    z, a = 3.0902, 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * a**0.5) ** 3
+
+
+def test_sampled_output_follows_the_model(path):
+    """Seeded requests at temperature 0.3 whose drafts are uniform noise: where the first token
+    is the most common one, the second (drawn by rejection sampling against the drafts) follows
+    the model's distribution after it, as transformers computes it (chi-square)."""
+    prompt = prompts(9, (6,))[0]
+    engine = speculative_engine(path, 2, max_num_seqs=256)
+    engine.speculative.drafter = UniformDrafter(2, VOCAB)
+    for i in range(1500):
+        params = SamplingParams(temperature=0.3, max_tokens=4, ignore_eos=True, seed=i)
+        engine_harness.submit(engine, str(i), prompt, params)
+    outputs = list(engine_harness.drain(engine).values())
+    first = max(range(VOCAB), key=lambda t: sum(o[0] == t for o in outputs))
+    second = torch.tensor([o[1] for o in outputs if o[0] == first])
+    assert len(second) >= 300
+    stats = engine.speculative.counters
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    with torch.inference_mode():
+        logits = load_hf(path)(torch.tensor([[*prompt, first]])).logits[0, -1]
+    expected = (logits.double() / 0.3).softmax(-1) * len(second)
+    observed = torch.bincount(second, minlength=VOCAB).double()
+    bins = expected >= 5  # the rest pooled into one bin
+    chi2 = ((observed[bins] - expected[bins]) ** 2 / expected[bins]).sum()
+    rest_observed, rest_expected = observed[~bins].sum(), expected[~bins].sum()
+    chi2 += (rest_observed - rest_expected) ** 2 / rest_expected.clamp_min(1e-9)
+    assert chi2 < chi_square_999(int(bins.sum())), (chi2, int(bins.sum()))
