@@ -128,10 +128,11 @@ def test_preemption(path):
 
 
 def test_logprobs_and_penalties(path):
-    """Each accepted token's logprobs are those plain decoding reports; penalties count the
-    drafts before each row, so penalised greedy output is unchanged too."""
+    """Each accepted token's logprobs (and the prompt's) are those plain decoding reports;
+    penalties count the drafts before each row, so penalised greedy output is unchanged too."""
     batch = prompts(6, (12, 19))
-    scored = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True, logprobs=3)
+    scored = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)  # fmt: skip
     penalised = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True,
                                frequency_penalty=1.5, presence_penalty=0.5,
                                repetition_penalty=1.3)  # fmt: skip
@@ -139,19 +140,22 @@ def test_logprobs_and_penalties(path):
     def outputs(engine: EngineCore) -> dict[str, list]:
         for rid, params in (("scored", scored), ("penalised", penalised)):
             engine_harness.submit(engine, rid, batch[rid == "penalised"], params)
-        got: dict[str, list] = {"scored": [], "penalised": [], "logprobs": []}
+        got: dict[str, list] = {"scored": [], "penalised": [], "logprobs": [], "prompt": []}
         while engine.has_unfinished_requests:
             for output in engine.step():
                 got[output.request_id] += output.new_token_ids
                 got["logprobs"] += output.logprobs or []
+                got["prompt"] += output.prompt_logprobs or []
         return got
 
     plain = outputs(engine_harness.make_engine(path))
     speculative = outputs(speculative_engine(path, 3, spoil=True))
     assert speculative["scored"] == plain["scored"]
     assert speculative["penalised"] == plain["penalised"]
-    assert len(speculative["logprobs"]) == 15
-    for ours, theirs in zip(speculative["logprobs"], plain["logprobs"], strict=True):
+    assert len(speculative["logprobs"]) == 15 and len(speculative["prompt"]) == 11
+    pairs = zip(speculative["logprobs"] + speculative["prompt"],
+                plain["logprobs"] + plain["prompt"], strict=True)  # fmt: skip
+    for ours, theirs in pairs:
         assert ours.token_id == theirs.token_id and ours.rank == theirs.rank
         assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
         assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]

@@ -401,7 +401,6 @@ class Qwen35ForCausalLM(Model):
         self.mtp: nn.Module | None = None
         self._max_rows = 0
         self._final_hidden: torch.Tensor | None = None
-        self._num_rows = 0
 
     @property
     def vocab_size(self) -> int:
@@ -452,9 +451,11 @@ class Qwen35ForCausalLM(Model):
                                          device=self.embed_tokens.device)  # fmt: skip
 
     def final_hidden_states(self) -> torch.Tensor:
-        """Every row's hidden state after the final norm, of the last forward (with MTP)."""
+        """Every row's hidden state after the final norm, of the last forward (with MTP), in
+        the rows of a buffer as long as the longest step (a graph replay fills it without
+        running any Python: nothing here knows how many rows the last step had)."""
         assert self._final_hidden is not None, "attach_mtp() keeps the final hidden states"
-        return self._final_hidden[: self._num_rows]
+        return self._final_hidden
 
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
@@ -599,7 +600,6 @@ class Qwen35ForCausalLM(Model):
         eps, rows = self.cfg.rms_norm_eps, batch.logits_indices
         if self._final_hidden is not None:  # the MTP drafter reads every row's
             x, _ = self.ops.add_rms_norm(hidden, residual, self.norm, eps, True)
-            self._num_rows = x.shape[0]
             self._final_hidden[: x.shape[0]].copy_(x)
             x = x[rows]
         else:  # only the rows that sample go through the final norm and the LM head
