@@ -9,8 +9,12 @@
 #          fills the warm cache), then WARM_RUNS starts on it, then DISK_COLD_RUNS with the
 #          kernel caches warm and the page cache dropped; each records the time to
 #          /health 200, the idle RSS of the process tree, GPU memory and the server's start-up
-#          phases (time and RSS). The restored caches in ~ are not used by any.
-# A line whose checkpoint is missing is written first (seconds to a minute; not timed).
+#          phases (time and RSS).
+# Without CACHE_DIR the caches `.gpu/on-device.sh` restored in ~ go unused (the first cold run
+# fills a fresh one); CACHE_DIR=~ makes the warm and disk-cold runs use them (with
+# COLD_RUNS=0: a warm-only pass, no compiling). A line whose checkpoint is missing is written first (seconds to a minute; not timed;
+# DeepSeek-V2-Lite's is ~31 GB). Cold runs compile every kernel (one to two minutes a line):
+# with all three lines, run them in two calls (SHAPES=qwen3-4b, then the other two).
 set -uo pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
 STAGES=${STAGES:-"tests startup"}
@@ -44,6 +48,7 @@ for stage in $STAGES; do
         ckpt=/tmp/$shape
         checkpoint "$shape" "$ckpt"
         timeout 420 pegainfer-bench startup --model-path "$ckpt" --cold-runs "$COLD_RUNS" \
+          ${CACHE_DIR:+--cache-dir "$CACHE_DIR"} \
           --warm-runs "$WARM_RUNS" --disk-cold-runs "$DISK_COLD_RUNS" --drop-page-cache \
           --server-args "$SERVER_ARGS" \
           --log-dir "$OUT/startup_$shape" --result-json "$OUT/startup_${shape}_$REV.json" \
