@@ -70,6 +70,16 @@ def checkpoints(tmp_path_factory):
             "deepseek": (deepseek, LITE_GEOMETRY["vocab_size"])}  # fmt: skip
 
 
+def one_gpu_tokens(path: Path, vocab: int) -> list[list[int]]:
+    """One GPU's greedy tokens for `prompts`, its engine's memory freed after."""
+    one = gpu_engine(path)
+    expected = generate(one, prompts(vocab), greedy(24))
+    del one
+    gc.collect()
+    torch.cuda.empty_cache()
+    return expected
+
+
 # How each case spreads the model over the two GPUs.
 LAYOUTS = {
     "tensor": {"tensor_parallel_size": 2},
@@ -88,11 +98,7 @@ def test_two_gpus_generate_what_one_does(checkpoints, line, layout, async_schedu
     (expert parallel), or attention data-parallel (each GPU its own requests, tokens sent to
     their experts' GPU by all-to-all)."""
     path, vocab = checkpoints[line]
-    one = gpu_engine(path)
-    expected = generate(one, prompts(vocab), greedy(24))
-    del one
-    gc.collect()
-    torch.cuda.empty_cache()
+    expected = one_gpu_tokens(path, vocab)
     two = gpu_engine(path, async_scheduling=async_scheduling, **LAYOUTS[layout])
     try:
         assert two.runner.graphs is not None  # decode steps replay graphs on both ranks
@@ -112,11 +118,7 @@ def test_two_gpus_as_two_hosts_generate_what_one_does(checkpoints, line, layout,
     from tests.server.conftest import free_port
 
     path, vocab = checkpoints[line]
-    one = gpu_engine(path)
-    expected = generate(one, prompts(vocab), greedy(24))
-    del one
-    gc.collect()
-    torch.cuda.empty_cache()
+    expected = one_gpu_tokens(path, vocab)
     layout_flags = {"tensor": ["--tensor-parallel-size", "2"],
                     "data": ["--data-parallel-size", "2", "--enable-expert-parallel"]}  # fmt: skip
     port = free_port()
