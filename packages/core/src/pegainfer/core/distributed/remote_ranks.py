@@ -22,6 +22,7 @@ them on a private network.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -95,10 +96,23 @@ class RemoteRanks:
         """Each remote rank's connection (once `connected`)."""
         return dict(self._connections)
 
-    def close(self) -> None:
-        """Stop accepting and hang up on every remote rank (each then exits)."""
+    def stop_accepting(self) -> None:
+        """Close the listener (every rank is in, or the start failed)."""
         self._open = False
         self._listener.close()
+
+    def hang_up(self) -> None:
+        """End every remote rank's connection, from any thread (each rank then exits): the
+        handles stay open, so a write racing with this fails with an OSError."""
+        self.stop_accepting()
+        with self._lock:
+            for connection in self._connections.values():
+                with contextlib.suppress(OSError):  # the rank has hung up already
+                    _socket_of(connection).shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Hang up on every remote rank and release the connections."""
+        self.hang_up()
         with self._lock:
             for connection in self._connections.values():
                 connection.close()
@@ -186,7 +200,7 @@ def _tune(connection: Connection, peer_timeout: timedelta) -> None:
     connection once the peer has not answered for `peer_timeout` (a third of it idle, then
     four probes over the rest)."""
     seconds = peer_timeout.total_seconds()
-    sock = socket.socket(fileno=os.dup(connection.fileno()))
+    sock = _socket_of(connection)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
@@ -197,3 +211,9 @@ def _tune(connection: Connection, peer_timeout: timedelta) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(seconds * 1000)))
     finally:
         sock.close()
+
+
+def _socket_of(connection: Connection) -> socket.socket:
+    """A socket object on a duplicate of `connection`'s descriptor (options and shutdown act
+    on the connection; closing it leaves the connection's own descriptor open)."""
+    return socket.socket(fileno=os.dup(connection.fileno()))

@@ -317,6 +317,7 @@ class TensorParallelRanks:
         try:
             self._await_check_in()
             if self.remote is not None:  # ranks are numbered host by host
+                self.remote.stop_accepting()
                 self._outboxes += [conn for _, conn in sorted(self.remote.outboxes().items())]
             self._store.set(_GO, "")
             _init(0, self.group.world_size, self._store, self.device)
@@ -374,7 +375,7 @@ class TensorParallelRanks:
         for worker in self.workers:
             worker.kill()
         if self.remote is not None:
-            self.remote.close()
+            self.remote.hang_up()
         if self.device.type != "cuda":
             return
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
