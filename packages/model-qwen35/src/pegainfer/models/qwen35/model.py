@@ -9,8 +9,7 @@ sequence at a time with the torch ops of `ops.py`, following transformers' `Qwen
 op for op, casts included. On CUDA the DeltaNet layers run the whole step through the Triton
 kernels of `kernels.py`, the norms and the MLP through core's fused kernels and attention
 through FlashInfer between two fused kernels (`attention_kernels.py`: q/k norms, partial RoPE
-and the KV write before it, the sigmoid gate after); pure-decode steps replay CUDA graphs,
-other steps piecewise graphs (the DeltaNet mixers and attention run between the pieces).
+and the KV write before it, the sigmoid gate after); pure-decode steps replay CUDA graphs.
 Projections are fused where the GPU wants them fused: q (with its gate)/k/v in one matrix, the
 DeltaNet's qkv/z/b/a in one, gate/up in one.
 """
