@@ -161,45 +161,6 @@ def test_graph_replay_equals_eager_for_the_same_batch(small):
         engine.block_manager.release(table)
 
 
-@pytest.mark.parametrize("lengths", [(33, 1, 70), (300,), (1000, 24)])
-def test_piecewise_mixed_step_matches_eager(small, lengths):
-    """Decodes beside prompts that start their states, replayed through the piecewise graphs
-    (the DeltaNet mixers and attention eager between the pieces, rows padded to the token
-    bucket, the starting states readied before them), give the eager step's logits at the
-    gate's tolerances and leave the same states (the padded GEMMs may pick other kernels, so
-    not bit for bit)."""
-    _, engine, _ = small
-    runner, bs, cuda = engine.runner, engine.config.block_size, torch.device("cuda")
-    assert runner.mixed_graphs is not None
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
-    tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
-    TeacherForcer(engine)._step(prompts, [0] * 3, tables, graphs=False)
-    fresh = [[(11 * i + k) % 1000 for k in range(n)] for i, n in enumerate(lengths)]
-    tables += [engine.block_manager.allocate(-(-len(p) // bs)) for p in fresh]
-    chunks = [[7], [8], [9], *fresh]
-    starts = [len(p) for p in prompts] + [0] * len(fresh)
-    batch = ForwardBatch.build(chunks, starts, tables, [True] * len(chunks), bs, cuda,
-                               state_slots=list(range(len(chunks))))  # fmt: skip
-    assert batch.starts_states
-    assert runner.mixed_graphs.can_run(batch) and not runner.graphs.can_run(batch)
-    conv, recurrent = engine.kv_cache["conv"], engine.kv_cache["recurrent"]
-    before = conv.clone(), recurrent.clone()
-    with torch.inference_mode():
-        pieces = runner.mixed_graphs.run(batch).float().log_softmax(-1)
-        after = conv.clone(), recurrent.clone()
-        conv.copy_(before[0])
-        recurrent.copy_(before[1])
-        engine.model.prepare(batch)
-        eager = engine.model(batch, engine.kv_cache).float().log_softmax(-1)
-    gate = GateResult()
-    gate.add(pieces, eager)
-    gate.check("piecewise mixed step")
-    for ours, ref in zip(after, (conv, recurrent), strict=True):
-        assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
-    for table in tables:
-        engine.block_manager.release(table)
-
-
 def long_case(vocab: int, prompt: int, decode: int, seed: int) -> Case:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (prompt + decode,), generator=g).tolist()

@@ -242,12 +242,7 @@ def test_delta_net_layer_over_a_mixed_step(dtype, device="cuda"):
     from pegainfer.core.distributed.parallel import ParallelGroup
     from pegainfer.core.runner.forward_batch import ForwardBatch
     from pegainfer.models.qwen35.config import Qwen35Config
-    from pegainfer.models.qwen35.model import (
-        DeltaNetMixer,
-        DeltaNetStep,
-        GatedDeltaNet,
-        Qwen35ForCausalLM,
-    )
+    from pegainfer.models.qwen35.model import DeltaNetStep, GatedDeltaNet, Qwen35ForCausalLM
 
     cfg = Qwen35Config.from_dict({
         "vocab_size": 64, "hidden_size": 256, "intermediate_size": 64, "num_hidden_layers": 4,
@@ -279,13 +274,12 @@ def test_delta_net_layer_over_a_mixed_step(dtype, device="cuda"):
     Qwen35ForCausalLM._start_states(batch, conv, recurrent)
     x = torch.randn(sum(lengths), cfg.hidden_size, device=device, generator=g).to(dtype)
     conv_ref, recurrent_ref = conv.clone(), recurrent.clone()
-    mixer = DeltaNetMixer()
-    mixer.step = step = DeltaNetStep.of(batch)
+    step = DeltaNetStep.of(batch)
     assert step.recurrent_slots is not None and step.recurrent_slots.tolist() == [3, 5, 4]
     assert step.chunks is not None and step.chunks.slots.tolist() == [0, 1, 2]
     with torch.inference_mode():
-        ours = layer(x, batch, conv[0], recurrent[0], mixer)
-        ref = layer(x, batch, conv_ref[0], recurrent_ref[0], DeltaNetMixer())
+        ours = layer(x, batch, conv[0], recurrent[0], step)
+        ref = layer(x, batch, conv_ref[0], recurrent_ref[0], None)
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(ours, ref) < tol
     assert rel_err(conv, conv_ref) < 1e-6

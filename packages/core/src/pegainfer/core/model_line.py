@@ -18,11 +18,12 @@ from pegainfer.core.distributed.parallel import ParallelGroup
 from pegainfer.core.text.tokenizer import TOKENIZER_FILE, Tokenizer
 
 if TYPE_CHECKING:
+    from pegainfer.core.attention.latent import MultiHeadLatentAttention
+    from pegainfer.core.attention.paged import PagedAttention
     from pegainfer.core.engine.scheduler import Scheduler
     from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache, StateSpec
     from pegainfer.core.runner.forward_batch import ForwardBatch
     from pegainfer.core.runner.model_runner import ModelRunner
-    from pegainfer.core.runner.piecewise_graphs import PiecewiseCut
     from pegainfer.core.speculative.drafter import Drafter
 
 
@@ -95,10 +96,6 @@ class Model(torch.nn.Module, ABC):
     #: device values on the host or depends on the batch's sequences) except through the calls
     #: of `piecewise_cuts()`, which run eagerly between the pieces.
     supports_piecewise_graphs: bool = False
-    #: Whether `start_states` readies the recurrent states a step starts (zeroed for a prompt
-    #: at position 0, restored from a checkpoint, checkpointed before its first token) apart
-    #: from `hidden_states`, so that such steps may replay piecewise graphs too.
-    starts_states_apart: bool = False
 
     @property
     def transient_bytes(self) -> int:
@@ -151,11 +148,7 @@ class Model(torch.nn.Module, ABC):
         """The logits of `batch.logits_indices`' rows from `hidden_states`' output."""
         raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
 
-    def start_states(self, batch: ForwardBatch, kv_cache: KVCache) -> None:
-        """Ready the states `batch` starts, before its `hidden_states` (`starts_states_apart`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not start states apart")
-
-    def piecewise_cuts(self) -> list[PiecewiseCut]:
+    def piecewise_cuts(self) -> list[PagedAttention | MultiHeadLatentAttention]:
         """The backends whose calls cut the forward into pieces (each has a `split` hook)."""
         raise NotImplementedError(f"{type(self).__name__} does not support piecewise graphs")
 

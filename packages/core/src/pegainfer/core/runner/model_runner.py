@@ -70,7 +70,7 @@ class ModelRunner:
         self.graphs.capture()
         if spec.token_buckets:
             self.mixed_graphs = MixedGraphs(
-                model, cache, spec.token_buckets, block, size, self.device, spec.dummy_slot
+                model, cache, spec.token_buckets, block, size, self.device
             )
             self.mixed_graphs.capture()
 

@@ -19,11 +19,6 @@ Padding rows (token 0 at position 0) write their KV to the reserved dummy block;
 planned and run for the real rows only, so the padding rows' attention output is whatever the
 buffer held (finite: it starts zeroed and only attention writes it), and every other op is
 row-wise, so real rows never see them.
-
-Models with recurrent state capture on the reserved dummy slot, and their recurrent layers are
-cuts too (Qwen3.5's DeltaNet: their state slots depend on the batch's sequences). A step that
-starts some sequence's state replays only if the model readies those states apart from
-`hidden_states` (`Model.starts_states_apart`); then that runs eagerly before the pieces.
 """
 
 from __future__ import annotations
@@ -32,11 +27,9 @@ import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from pegainfer.core.attention.paged import Split
 from pegainfer.core.kv.kv_cache import KVCache
 from pegainfer.core.model_line import Model
 from pegainfer.core.runner.forward_batch import ForwardBatch
@@ -50,14 +43,6 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
     buckets = {b for b in (16, 32, 64, 128, 256) if b <= max_tokens}
     buckets |= set(range(512, max_tokens + 1, 256)) | {max_tokens}
     return tuple(sorted(buckets))
-
-
-class PiecewiseCut(Protocol):
-    """A backend whose calls cut the captured forward: while the pieces are captured, `split`
-    is set and the backend hands it each call (the call, its per-token inputs, its other
-    inputs) instead of running it; the call takes `out=`, the buffer its output goes to."""
-
-    split: Split | None
 
 
 @dataclass
@@ -92,7 +77,6 @@ class MixedGraphs:
         dummy_block: int,
         block_size: int,
         device: torch.device,
-        dummy_slot: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -100,7 +84,6 @@ class MixedGraphs:
         self.dummy_block = dummy_block
         self.block_size = block_size
         self.device = device
-        self.dummy_slot = dummy_slot
         self.cuts = model.piecewise_cuts()
         largest = max(buckets)
         # Static inputs: [input_ids, positions, slot_mapping] per row; padding rows keep these.
@@ -117,15 +100,10 @@ class MixedGraphs:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Any single-process step within the largest bucket, unless the model has recurrent
-        state and some sequence's state starts this step (those restart eagerly, unless the
-        model readies starting states apart: `Model.starts_states_apart`). The engine
+        state and some sequence's state starts this step (those restart eagerly). The engine
         gives every sequence a slot, so a prompt's first chunk "starts" one even for a model
         without state: only the cache says whether that matters."""
-        restarts = (
-            self.kv_cache.num_slots > 0
-            and batch.starts_states
-            and not self.model.starts_states_apart
-        )
+        restarts = self.kv_cache.num_slots > 0 and batch.starts_states
         return batch.data_parallel is None and batch.num_tokens <= self.max_tokens and not restarts
 
     def capture(self) -> None:
@@ -187,8 +165,6 @@ class MixedGraphs:
         self._inputs[2, :n].copy_(batch.slot_mapping)
         self._inputs[:, n:bucket].copy_(self._pad[:, None].expand(-1, bucket - n))
         self.model.prepare(batch)  # the real rows' attention plan
-        if self.model.starts_states_apart and batch.starts_states:
-            self.model.start_states(batch, self.kv_cache)
         pieces = self._pieces[bucket]
         for graph, split in zip(pieces.graphs, [*pieces.splits, None], strict=True):
             graph.replay()
@@ -198,10 +174,8 @@ class MixedGraphs:
         return self.model.logits(states, batch)
 
     def _static_batch(self, bucket: int) -> ForwardBatch:
-        """The capture batch: `bucket` one-token sequences on the dummy block (and the dummy
-        state slot), over the static input buffers (what the pieces read at every replay)."""
-        stateful = self.dummy_slot is not None
-        slots = [self.dummy_slot] * bucket if stateful else []
+        """The capture batch: `bucket` one-token sequences on the dummy block, over the
+        static input buffers (what the pieces read at every replay)."""
         return ForwardBatch(
             input_ids=self._inputs[0, :bucket],
             positions=self._inputs[1, :bucket],
@@ -212,8 +186,4 @@ class MixedGraphs:
             seq_lens_cpu=[1] * bucket,
             block_tables_cpu=[[self.dummy_block]] * bucket,
             query_start_loc_cpu=torch.arange(bucket + 1, dtype=torch.int32),
-            state_slots_cpu=slots,
-            state_restore_cpu=[None] * len(slots),
-            state_snapshot_cpu=[None] * len(slots),
-            state_slots=torch.tensor(slots, device=self.device) if stateful else None,
         )

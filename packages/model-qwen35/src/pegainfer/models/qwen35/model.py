@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pegainfer.core.attention.paged import GQAShape, PagedAttention, Split, make_paged_attention
+from pegainfer.core.attention.paged import GQAShape, PagedAttention, make_paged_attention
 from pegainfer.core.distributed import parallel
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache, StateSpec
@@ -42,7 +42,6 @@ from pegainfer.models.qwen35 import ops
 from pegainfer.models.qwen35.config import FULL, Qwen35Config
 
 if TYPE_CHECKING:
-    from pegainfer.core.runner.piecewise_graphs import PiecewiseCut
     from pegainfer.models.qwen35.kernels import ChunkPlan
 
 # Checkpoint prefixes of the decoder: VLM checkpoints nest it under the language model.
@@ -80,11 +79,8 @@ class DeltaNetStep:
         num_seqs, device = batch.num_seqs, batch.input_ids.device
         snapshots = batch.state_snapshot_cpu
         if batch.is_decode and not any(snapshots):
-            # The graphs' static bounds, when they are long enough (piecewise graphs capture
-            # decode-shaped batches of up to the step's token budget).
-            if decode_bounds is not None and decode_bounds.shape[0] > num_seqs:
-                bounds = decode_bounds[: num_seqs + 1]
-            else:
+            bounds = decode_bounds[: num_seqs + 1] if decode_bounds is not None else None
+            if bounds is None:
                 bounds = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
             return cls(batch.state_slots, bounds, 1, recurrent_slots=batch.state_slots)
         bounds = batch.query_start_loc_cpu.tolist()
@@ -117,18 +113,6 @@ class DeltaNetStep:
             conv_tiles=(parts[8], parts[9]),
             conv_snapshots=(parts[10], parts[11]) if any(inside) else None,
         )
-
-
-class DeltaNetMixer:
-    """The DeltaNet layers' conv and delta rule over a step's sequences on CUDA: the one part
-    of a DeltaNet layer that reads the batch's sequences (their rows and state slots), so it
-    is a cut of piecewise graphs like attention (`split`, set while they are captured). It
-    holds the step's plan (`step`, set by `prepare`; None on the reference path), which every
-    layer's call reads when it runs."""
-
-    def __init__(self) -> None:
-        self.step: DeltaNetStep | None = None
-        self.split: Split | None = None
 
 
 class GatedAttention(nn.Module):
@@ -180,14 +164,6 @@ class GatedAttention(nn.Module):
 
 
 @cache
-def _kernels() -> ModuleType:
-    """The DeltaNet's CUDA kernels (imported on first use: the CPU path needs no Triton)."""
-    from pegainfer.models.qwen35 import kernels
-
-    return kernels
-
-
-@cache
 def _fused_attention() -> ModuleType:
     """The gated attention's CUDA kernels (imported on first use: the CPU path needs no
     Triton)."""
@@ -219,11 +195,11 @@ class GatedDeltaNet(nn.Module):
         batch: ForwardBatch,
         conv_states: torch.Tensor,
         recurrent_states: torch.Tensor,
-        mixer: DeltaNetMixer,
+        step: DeltaNetStep | None,
     ) -> torch.Tensor:
         """x [T, hidden]; conv_states [slots, C, K-1] and recurrent_states [slots, Hv, dk, dv]
         are this layer's state arenas, updated in place for every sequence of the batch. With
-        a plan in `mixer` the kernels run the whole batch, else the reference ops."""
+        a `step` plan the kernels run the whole batch, else the reference ops."""
         cfg, tokens = self.cfg, x.shape[0]
         heads, dv, channels = (
             cfg.linear_num_value_heads,
@@ -232,29 +208,25 @@ class GatedDeltaNet(nn.Module):
         )
         proj = F.linear(x, self.in_proj)
         z = proj[:, channels : channels + heads * dv].view(tokens, heads, dv)
-        if mixer.step is None:
+        if step is None:
             out = self._reference(proj, batch, conv_states, recurrent_states)
             out = ops.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
         else:
-            if mixer.split is not None:
-                out = mixer.split(self.mix, (proj,), (conv_states, recurrent_states, mixer))
-            else:
-                out = self.mix(proj, conv_states, recurrent_states, mixer)
-            out = _kernels().gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
+            out = self._kernels(proj, z, step, conv_states, recurrent_states)
         return parallel.row_parallel_linear(out.reshape(tokens, -1), self.out_proj, self.group)
 
-    def mix(
+    def _kernels(
         self,
         proj: torch.Tensor,
+        z: torch.Tensor,
+        step: DeltaNetStep,
         conv_states: torch.Tensor,
         recurrent_states: torch.Tensor,
-        mixer: DeltaNetMixer,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The conv and the delta rule over the step `mixer` plans (CUDA), into `out`
-        [T, Hv, dv] if given: the layer's output before its gated norm."""
-        kernels, cfg, step = _kernels(), self.cfg, mixer.step
-        assert step is not None
+        """The conv, the delta rule and the gated norm over the whole step (CUDA)."""
+        from pegainfer.models.qwen35 import kernels
+
+        cfg = self.cfg
         qkv = kernels.causal_conv1d(
             proj[:, : cfg.conv_channels], self.conv1d, conv_states, step.slots, step.bounds,
             step.max_len, step.conv_tiles, step.conv_snapshots,
@@ -263,9 +235,7 @@ class GatedDeltaNet(nn.Module):
             cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
             cfg.linear_value_head_dim,
         )  # fmt: skip
-        if out is None:
-            out = torch.empty(qkv.shape[0], shape.num_value_heads, shape.value_dim,
-                              dtype=qkv.dtype, device=qkv.device)  # fmt: skip
+        out = torch.empty(qkv.shape[0], *z.shape[1:], dtype=qkv.dtype, device=qkv.device)
         args = (qkv, proj, self.A_log, self.dt_bias, recurrent_states)
         if step.chunks is not None:
             kernels.chunked_gated_delta_rule(*args, step.chunks, shape, out)
@@ -273,7 +243,7 @@ class GatedDeltaNet(nn.Module):
             kernels.recurrent_gated_delta_rule(
                 *args, step.recurrent_slots, shape, step.recurrent_rows, out
             )
-        return out
+        return kernels.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
 
     def _reference(
         self,
@@ -366,11 +336,6 @@ class Qwen35Layer(nn.Module):
 
 class Qwen35ForCausalLM(Model):
     supports_cuda_graphs = True
-    # Mixed steps replay piecewise graphs: the pieces hold the projections, norms and MLPs; the
-    # DeltaNet mixers (`DeltaNetMixer`) and attention run eagerly between them, and states a
-    # step starts are readied before the pieces (`start_states`).
-    supports_piecewise_graphs = True
-    starts_states_apart = True
 
     def __init__(self, cfg: Qwen35Config, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
@@ -391,9 +356,9 @@ class Qwen35ForCausalLM(Model):
         self.attn: PagedAttention | None = None
         self.ops: LayerOps | None = None
         self._decode_bounds: torch.Tensor | None = None
-        # The DeltaNet kernels' walk of the step `prepare`/`prepare_graph` planned (CUDA), and
-        # whether it replays a decode graph (states then only continue: nothing to start).
-        self.mixer = DeltaNetMixer()
+        # The step `prepare`/`prepare_graph` planned: the DeltaNet kernels' walk (CUDA), and
+        # whether it replays a graph (states then only continue: nothing to start).
+        self._step: DeltaNetStep | None = None
         self._replaying = False
         # Speculative decoding with the MTP layer: its module, and every row's final hidden
         # state of the last forward (a fixed buffer, so graph replays fill it too).
@@ -460,13 +425,13 @@ class Qwen35ForCausalLM(Model):
         assert self.attn is not None, "init_runtime() must run before the first step"
         self.attn.plan(batch)
         cuda = batch.input_ids.is_cuda
-        self.mixer.step = DeltaNetStep.of(batch, self._decode_bounds) if cuda else None
+        self._step = DeltaNetStep.of(batch, self._decode_bounds) if cuda else None
         self._replaying = False
 
     def prepare_graph(self, batch: ForwardBatch, bucket: int) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
         self.attn.plan_graph(batch, bucket)
-        self.mixer.step = DeltaNetStep.of(batch, self._decode_bounds)
+        self._step = DeltaNetStep.of(batch, self._decode_bounds)
         self._replaying = True
 
     @staticmethod
@@ -557,24 +522,14 @@ class Qwen35ForCausalLM(Model):
         return WeightTarget(path, rows=vocab if path == "embed_tokens" else None)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        if not self._replaying:
-            self.start_states(batch, kv_cache)
-        return self.logits(self.hidden_states(batch, kv_cache), batch)
-
-    def start_states(self, batch: ForwardBatch, kv_cache: KVCache) -> None:
-        self._start_states(batch, kv_cache["conv"], kv_cache["recurrent"])
-
-    def hidden_states(
-        self, batch: ForwardBatch, kv_cache: KVCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last layer's output and the residual stream, every row (the final norm adds
-        them)."""
         rope, attn, ops_, cfg = self.rope, self.attn, self.ops, self.cfg
         assert rope is not None and attn is not None and ops_ is not None
         assert len(batch.state_slots_cpu) == batch.num_seqs, (
             "Qwen3.5 steps need a state slot per sequence"
         )
         kv, conv, recurrent = kv_cache["kv"], kv_cache["conv"], kv_cache["recurrent"]
+        if not self._replaying:
+            self._start_states(batch, conv, recurrent)
         eps = cfg.rms_norm_eps
         hidden = parallel.vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.group)
         residual = None
@@ -584,28 +539,17 @@ class Qwen35ForCausalLM(Model):
             if layer.kind == FULL:
                 hidden = layer.self_attn(x, batch, kv[n], rope, attn)
             else:
-                hidden = layer.linear_attn(x, batch, conv[n], recurrent[n], self.mixer)
+                hidden = layer.linear_attn(x, batch, conv[n], recurrent[n], self._step)
             x, residual = ops_.add_rms_norm(
                 hidden, residual, layer.post_attention_layernorm, eps, True
             )
             hidden = layer.mlp(x, ops_)
-        return hidden, residual
-
-    def logits(
-        self, states: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
-    ) -> torch.Tensor:
-        assert self.ops is not None
-        hidden, residual = states
-        eps, rows = self.cfg.rms_norm_eps, batch.logits_indices
+        rows = batch.logits_indices
         if self._final_hidden is not None:  # the MTP drafter reads every row's
-            x, _ = self.ops.add_rms_norm(hidden, residual, self.norm, eps, True)
+            x, _ = ops_.add_rms_norm(hidden, residual, self.norm, eps, True)
             self._final_hidden[: x.shape[0]].copy_(x)
             x = x[rows]
         else:  # only the rows that sample go through the final norm and the LM head
-            x, _ = self.ops.add_rms_norm(hidden[rows], residual[rows], self.norm, eps, True)
+            x, _ = ops_.add_rms_norm(hidden[rows], residual[rows], self.norm, eps, True)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return parallel.vocab_parallel_logits(x, head, self.group).float()
-
-    def piecewise_cuts(self) -> list[PiecewiseCut]:
-        assert self.attn is not None, "init_runtime() must run before the first step"
-        return [self.attn, self.mixer]
