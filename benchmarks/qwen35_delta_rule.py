@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Callable
 
 import torch
+from model_step import cuda_time
 from torch.profiler import ProfilerActivity, profile
 
 from pegainfer.core.runner.forward_batch import ForwardBatch
@@ -44,19 +43,6 @@ SWEEP = [
     *(kernels.ChunkLaunch(output_block=b, output_warps=w) for b in (32, 64, 128) for w in (4, 8)),
     kernels.ChunkLaunch(intra_warps=8),
 ]
-
-
-def median_ms(fn: Callable[[], object], iters: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def run_case(
@@ -96,11 +82,11 @@ def run_case(
         )
 
     result: dict = {"lengths": f"{lengths.count(1)} decodes + {[n for n in lengths if n > 1]}"}
-    result["conv_ms"] = median_ms(conv)
-    result["chunked_ms"] = median_ms(chunked)
+    result["conv_ms"] = 1e3 * cuda_time(conv)
+    result["chunked_ms"] = 1e3 * cuda_time(chunked)
     if step.recurrent_slots is not None:
         rows, slots = step.recurrent_rows, step.recurrent_slots
-        result["recurrent_ms"] = median_ms(
+        result["recurrent_ms"] = 1e3 * cuda_time(
             lambda: kernels.recurrent_gated_delta_rule(
                 qkv, proj, a_log, dt_bias, states, slots, SHAPE, rows, out
             )
