@@ -28,6 +28,7 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -190,7 +191,11 @@ def _exit_when_rank_0_hangs_up(connection: Connection, stopped: threading.Event)
     while not poller.poll():
         pass
     if not stopped.is_set():
-        print("parallel rank: rank 0 hung up (its host stopped or failed)", flush=True)
+        print(
+            "parallel rank: rank 0 hung up (its host stopped or failed)",
+            file=sys.stderr,
+            flush=True,
+        )
     os._exit(0 if stopped.is_set() else 1)
 
 

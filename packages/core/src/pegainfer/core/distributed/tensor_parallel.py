@@ -40,6 +40,7 @@ import multiprocessing.connection as mp_connection
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -223,7 +224,11 @@ def worker_main(rank: int, nodes: Nodes, spec: WorkerSpec, inbox: Connection | N
     try:
         _serve(model, device, inbox)
     except EOFError:
-        print(f"parallel rank {rank}: rank 0 hung up (its host stopped or failed)", flush=True)
+        print(
+            f"parallel rank {rank}: rank 0 hung up (its host stopped or failed)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
     except BaseException:
         # A collective failed (or rank 0 went): exit at once, never waiting on peers that left.
