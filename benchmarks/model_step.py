@@ -2,14 +2,30 @@
 the same run.
 
     python benchmarks/model_step.py --shape qwen3-4b --out result.json
+    python benchmarks/model_step.py --shape kimi-k2-int4 --num-layers 61 --num-experts 48 \
+        --load-format dummy --batches 1,64 --prefill 4096 --out kimi.json
 
 Random weights at the real shapes (drawn on the GPU, written as a checkpoint by
-`pegainfer-bench make-checkpoint`'s writer), the engine as served (CUDA graphs on, greedy
-sampling, one device-to-host copy per step). Decode: B requests with a 1k-token context, median
-step time over many steps, against the HBM limit (weight bytes plus the KV bytes a step reads
-plus, for recurrent layers, each sequence's state read and written, over the measured
-device-copy bandwidth). Prefill: one prompt of T tokens in one step, against the bf16 matmul
-rate measured here (attention FLOPs counted for the full-attention layers only).
+`pegainfer-bench make-checkpoint`'s writer, or with `--load-format dummy` drawn in place by the
+engine: shares of Kimi-K2 and GLM-5 that no disk here holds), the engine as served (CUDA graphs
+on, greedy sampling, one device-to-host copy per step). Latent-MoE shapes (DeepSeek, Kimi-K2,
+GLM-5) may be cut to `--num-layers` layers of `--num-experts` routed experts.
+
+Decode: B requests with a 1k-token context, median step time over many steps, against the HBM
+limit: the bytes a step must read over the measured device-copy bandwidth. Those are the
+weights (not the embedding table, of which a step gathers a few rows), of a MoE's routed experts
+only those its tokens choose (routing spread evenly: of E experts with k per token, a batch of B
+touches E(1 - (1 - k/E)^B) in expectation, k at batch 1), plus each sequence's KV (with sparse
+attention, GLM-5's, the latents of the `index_topk` keys it selects and every indexer key once a
+sequence is longer than that) and, for recurrent layers, its state read and written.
+
+Prefill: one prompt of T tokens in one step, against the matmul rates measured here: the linear
+layers' FLOPs (2 per weight element, as the matmuls see them: an INT4 int32 holds eight; routed
+experts k/E of them; not the LM head, which runs for one row) at the bf16 rate, those of weights
+stored FP8 outside the routed experts at the FP8 rate (they run FP8 x FP8 from 64 rows on; the
+fused MoE dequantizes to bf16), and causal attention at the bf16 rate: the full-attention
+layers' QK and PV, or, for a sequence longer than a sparse model's `index_topk`, the indexer's
+scores over every earlier key and absorbed MLA over at most `index_topk` keys per row.
 """
 
 from __future__ import annotations
@@ -34,12 +50,21 @@ from pegainfer.core.sampling.sampler import sample_requests
 from pegainfer.core.sampling.sampling_params import SamplingParams
 from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.server.bench.make_checkpoint import (
-    DEEPSEEK_SHAPES,
+    LATENT_MOE_SHAPES,
     QWEN35_SHAPES,
     SHAPES,
     write_weights,
 )
 from pegainfer.server.bench.report import git_revision
+from pegainfer.server.bench.step_limits import (
+    MatmulWeights,
+    attention_flops,
+    is_routed,
+    kv_read_bytes,
+    untouched_experts,
+)
+
+ALL_SHAPES = SHAPES | QWEN35_SHAPES | LATENT_MOE_SHAPES
 
 # Prompt ids are drawn below this (and below the model's vocabulary).
 VOCAB = 100000
@@ -77,6 +102,18 @@ def matmul_rate() -> float:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     return 2 * 8192**3 / cuda_time(lambda: a @ b)
+
+
+def fp8_matmul_rate() -> float:
+    """FLOP/s of an 8192^3 FP8 e4m3 GEMM (cuBLAS through torch, per-tensor scales)."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+
+    def gemm() -> torch.Tensor:
+        return torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    return 2 * 8192**3 / cuda_time(gemm)
 
 
 # A JSON object whose one string must be longer than any measured answer: the grammar never
@@ -283,11 +320,23 @@ def prefix_hit_time(engine: EngineCore, tokens: int, reps: int, profile_path: Pa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(ALL_SHAPES), default="qwen3-4b")
     parser.add_argument(
-        "--shape",
-        choices=sorted(SHAPES) + sorted(QWEN35_SHAPES) + sorted(DEEPSEEK_SHAPES),
-        default="qwen3-4b",
+        "--num-layers", type=int, default=None, help="latent-MoE shapes: layers kept"
     )
+    parser.add_argument(
+        "--num-experts", type=int, default=None,
+        help="latent-MoE shapes: routed experts per layer kept (top-k unchanged)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--load-format", choices=("auto", "dummy"), default="auto",
+        help="auto: write the random checkpoint and load it; dummy: write its config only and "
+        "draw the weights in place on the GPU (latent-MoE shapes)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="the engine's flag: weights, activations and KV cache within this fraction",
+    )  # fmt: skip
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
@@ -338,14 +387,26 @@ def main() -> None:
         "--revision", default=None, help="git revision measured (default: `git rev-parse HEAD`)"
     )
     args = parser.parse_args()
+    cuts = {"num_hidden_layers": args.num_layers, "n_routed_experts": args.num_experts}
+    overrides = {key: value for key, value in cuts.items() if value is not None}
+    if (overrides or args.load_format == "dummy") and args.shape not in LATENT_MOE_SHAPES:
+        parser.error("--num-layers, --num-experts and --load-format dummy are for latent-MoE "
+                     "shapes (deepseek, kimi-k2, glm5)")  # fmt: skip
+    if overrides and args.model_dir is not None:
+        parser.error("--num-layers and --num-experts cut the checkpoint this run writes, not "
+                     "--model-dir's")  # fmt: skip
     profiled = {int(b) for b in args.profile.split(",") if b}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bandwidth, flops = copy_bandwidth(), matmul_rate()
+    config = ALL_SHAPES[args.shape] | overrides
+    quant = config.get("quantization_config", {}).get("quant_method")
+    fp8_flops = fp8_matmul_rate() if quant == "fp8" else None
     host_bandwidth = host_to_device_bandwidth() if args.kv_offload_gib else None
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir is None:
-            write_weights(args.shape, Path(tmp), device="cuda")
+            write_weights(args.shape, Path(tmp), device="cuda", overrides=overrides,
+                          weights=args.load_format == "auto")  # fmt: skip
         else:
             tmp = str(args.model_dir)
         batches = [int(b) for b in args.batches.split(",")]
@@ -364,7 +425,8 @@ def main() -> None:
             kv_offload=bool(args.kv_offload_gib), kv_offload_gib=args.kv_offload_gib or 16.0,
             async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
-            data_parallel_size=args.data_parallel_size,
+            data_parallel_size=args.data_parallel_size, load_format=args.load_format,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         ))  # fmt: skip
         load_s = time.perf_counter() - started
 
@@ -372,8 +434,7 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg, block_size = model.cfg, engine.config.block_size
     arenas = model.kv_arenas(block_size)
-    kv_bytes_per_token = sum(spec.bytes_per_block for spec in arenas) // block_size
-    attention_layers = arenas[0].num_layers
+    top_k_keys = getattr(cfg, "index_topk", None)  # sparse attention's selection
     # Recurrent state: read and written in full by every decode step.
     state_bytes_per_seq = 2 * sum(spec.bytes_per_slot for spec in model.state_arenas())
     # The embedding is gathered (a few rows), not streamed; the LM head is. Tied: one matrix.
@@ -384,13 +445,15 @@ def main() -> None:
     # MoE: a step reads only the routed experts its tokens chose. Random weights route about
     # uniformly: of E experts with k per token, a batch of B touches E(1 - (1 - k/E)^B).
     routed_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                       if ".mlp.experts." in name)  # fmt: skip
+                       if is_routed(name))  # fmt: skip
     routing = getattr(cfg, "routing", None)  # the latent-MoE lines' (DeepSeek, Kimi, GLM)
     experts, top_k = (routing.num_experts, routing.top_k) if routing is not None else (0, 0)
 
+    def untouched(batch: int) -> float:
+        return untouched_experts(experts, top_k, batch) if experts else 0.0
+
     def read_bytes(batch: int) -> float:
-        untouched = (1 - top_k / experts) ** batch if experts else 0.0
-        return streamed - routed_bytes * untouched
+        return streamed - routed_bytes * untouched(batch)
 
     decode = []
     for batch, constrained in itertools.product(batches, args.constrained):
@@ -401,7 +464,8 @@ def main() -> None:
         # One rank's sequences (data-parallel attention spreads them over the ranks); its
         # routed experts serve every rank's tokens.
         seqs = -(-batch // args.data_parallel_size)
-        kv = seqs * ((args.context + args.steps // 2) * kv_bytes_per_token + state_bytes_per_seq)
+        context = args.context + args.steps // 2
+        kv = seqs * (kv_read_bytes(arenas, block_size, context, top_k_keys) + state_bytes_per_seq)
         limit = (read_bytes(batch) + kv) / bandwidth
         decode.append({
             "batch": batch, "constrained_fraction": constrained, "step_ms": step * 1e3,
@@ -409,24 +473,26 @@ def main() -> None:
             "hbm_limit_ms": limit * 1e3, "fraction_of_limit": limit / step,
             "tokens_per_s": batch / step,
         })  # fmt: skip
+        if experts:
+            decode[-1]["routed_experts_read_fraction"] = 1 - untouched(batch)
         if mixed is not None:
             decode[-1]["step_with_prefill_ms"] = mixed * 1e3
         print(decode[-1], flush=True)
     # Active weights per token (the LM head runs for one row; k of E routed experts).
-    matmul_params = streamed - table_bytes
-    matmul_params -= routed_bytes * (1 - top_k / experts) if experts else 0
-    # Attention width per head: MLA prompts from position 0 run expanded (scores over nope +
-    # rope dims, values of v_head_dim), GQA over head_dim.
-    head_width = getattr(cfg, "head_dim", None) or (
-        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2  # fmt: skip
+    weights = MatmulWeights.of(model)
+    active = weights.elements - (weights.routed * (1 - top_k / experts) if experts else 0)
     prefill = []
     for tokens in prefills:
         t = prefill_time(engine, tokens)
-        # Causal QK and PV of the full-attention layers.
-        attn = 2 * attention_layers * cfg.num_heads * head_width * tokens * tokens
-        flop = 2 * (matmul_params / 2) * tokens + attn
-        prefill.append({"tokens": tokens, "time_ms": t * 1e3, "tflops": flop / t / 1e12,
-                        "fraction_of_matmul_rate": flop / t / flops})  # fmt: skip
+        attn = attention_flops(cfg, arenas, tokens)
+        flop = 2 * active * tokens + attn
+        fp8 = 2 * weights.fp8 * tokens if fp8_flops else 0
+        limit = (flop - fp8) / flops + (fp8 / fp8_flops if fp8 else 0.0)
+        prefill.append({
+            "tokens": tokens, "time_ms": t * 1e3, "tflops": flop / t / 1e12,
+            "fraction_of_matmul_rate": flop / t / flops, "matmul_limit_ms": limit * 1e3,
+            "fraction_of_limit": limit / t,
+        })  # fmt: skip
         print(prefill[-1], flush=True)
 
     prefix_hit = []
@@ -444,11 +510,12 @@ def main() -> None:
     revision = args.revision or git_revision()
     result = {
         "shape": args.shape,
-        "config": (SHAPES | QWEN35_SHAPES | DEEPSEEK_SHAPES)[args.shape],
+        "config": config, "load_format": args.load_format,
         "revision": revision,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "measured_copy_bandwidth_GBps": bandwidth / 1e9,
         "measured_bf16_matmul_TFLOPs": flops / 1e12,
+        "measured_fp8_matmul_TFLOPs": fp8_flops and fp8_flops / 1e12,
         "measured_pinned_host_to_device_GBps": host_bandwidth and host_bandwidth / 1e9,
         "kv_offload_gib": args.kv_offload_gib,
         "weight_bytes": weight_bytes, "state_bytes_per_seq_step": state_bytes_per_seq,

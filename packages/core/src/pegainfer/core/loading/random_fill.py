@@ -25,9 +25,12 @@ _CHUNK = 1 << 26  # elements drawn at once
 
 
 def fill_random(model: nn.Module, seed: int = 0) -> None:
-    """Fill every parameter of `model` (allocated, uninitialised) in place."""
+    """Fill every parameter of `model` (allocated, uninitialised) in place; on the meta device
+    there is nothing to fill (a model built for its sizes: `pegainfer-bench memory-plan`)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if param.is_meta:
+                continue
             generator = torch.Generator(param.device).manual_seed(seed)
             _fill(name, param, generator)
 

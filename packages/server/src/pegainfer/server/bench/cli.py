@@ -5,13 +5,20 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from pegainfer.server.bench import make_checkpoint, multiturn, prefix, serve, startup
+from pegainfer.server.bench import (
+    make_checkpoint,
+    memory_plan,
+    multiturn,
+    prefix,
+    serve,
+    startup,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pegainfer-bench", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (serve, multiturn, prefix, startup, make_checkpoint):
+    for module in (serve, multiturn, prefix, startup, make_checkpoint, memory_plan):
         module.add_parser(subparsers)
     return parser
 

@@ -1,0 +1,140 @@
+"""`pegainfer-bench memory-plan SHAPE`: one GPU's bytes of a latent-MoE shape under a parallel
+layout, by weight group, and the KV cache each token costs it; on no GPU.
+
+The model is built by its own line on the meta device (`--load-format dummy`'s path, where no
+value is drawn), as rank 0 of the layout would build it, so every byte counted is one the
+engine allocates: quantized layers as stored, FP8 `kv_b_proj` dequantized to bf16 after
+loading, a router's float32 correction bias. Every rank of these layouts holds the same sizes.
+`docs/full-size-8xh200.md` is written from this (its tables are checked against it by a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pegainfer.server.bench.make_checkpoint import LATENT_MOE_SHAPES, write_weights
+from pegainfer.server.bench.options import subcommand
+
+BLOCK_SIZE = 16
+# Weight groups, by the first pattern a parameter's name matches (module paths of core's
+# latent-MoE decoder: `layers.N.self_attn...`, `layers.N.mlp...`).
+GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (group, re.compile(pattern))
+    for group, pattern in (
+        ("embedding", r"^embed_tokens"),
+        ("lm_head", r"^lm_head"),
+        ("indexer", r"\.self_attn\.indexer\."),
+        ("attention", r"\.self_attn\."),
+        ("routed_experts", r"\.mlp\.experts\."),
+        ("shared_experts", r"\.mlp\.shared_experts\."),
+        ("router", r"\.mlp\.(gate|e_score_correction_bias)$"),
+        ("dense_mlp", r"\.mlp\."),
+        ("norms", r""),
+    )
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the GPUs divide the model: `data_parallel` attention ranks (each its own sequences
+    and KV, every weight but the routed experts whole) or `tensor_parallel` ranks (each a share
+    of the heads, MLP widths and vocabulary); `expert_parallel`: the routed experts divided
+    between the ranks whole, not split in width."""
+
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    expert_parallel: bool = True
+
+    @property
+    def gpus(self) -> int:
+        return self.data_parallel * self.tensor_parallel
+
+    def describe(self) -> str:
+        parts = [f"DP{self.data_parallel}"] if self.data_parallel > 1 else []
+        parts += [f"TP{self.tensor_parallel}"] if self.tensor_parallel > 1 else []
+        experts = f"EP{self.gpus}" if self.expert_parallel else f"experts split {self.gpus} ways"
+        return " + ".join([*parts, experts]) if self.gpus > 1 else "one GPU"
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """One GPU's weights by group (bytes) and the KV bytes one token of a sequence it serves
+    costs it (every KV arena, all layers)."""
+
+    weights: dict[str, int]
+    kv_per_token: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.weights.values())
+
+
+def group_of(name: str) -> str:
+    """The weight group of the parameter `name`."""
+    return next(group for group, pattern in GROUPS if pattern.search(name))
+
+
+def build_on_meta(config: dict[str, Any], layout: Layout) -> torch.nn.Module:
+    """Rank 0's model of `config` (a latent-MoE checkpoint's config.json) under `layout`, on
+    the meta device, built by the line that claims the config."""
+    from pegainfer.core.distributed.parallel import ParallelGroup
+    from pegainfer.core.model_line import ModelContext
+    from pegainfer.core.plugins import detect_model_line, model_lines
+
+    line = detect_model_line(config, model_lines())
+    ctx = ModelContext(
+        Path("."), config, torch.bfloat16, torch.device("meta"),
+        parallel=ParallelGroup(0, layout.tensor_parallel),
+        expert_parallel=layout.expert_parallel,
+        data_parallel=ParallelGroup(0, layout.data_parallel), random_weights=True,
+    )  # fmt: skip
+    return line.build_model(ctx)
+
+
+def shape_config(shape: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json `make-checkpoint SHAPE` writes (with `overrides`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_weights(shape, Path(tmp), overrides=overrides, weights=False)
+        return json.loads((Path(tmp) / "config.json").read_text())
+
+
+def rank_bytes(config: dict[str, Any], layout: Layout) -> RankBytes:
+    model = build_on_meta(config, layout)
+    weights = dict.fromkeys(dict(GROUPS), 0)
+    for name, param in model.named_parameters():
+        weights[group_of(name)] += param.numel() * param.element_size()
+    kv = sum(spec.bytes_per_block for spec in model.kv_arenas(BLOCK_SIZE)) // BLOCK_SIZE
+    return RankBytes(weights, kv)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = {"n_routed_experts": args.num_experts} if args.num_experts else None
+    config = shape_config(args.shape, overrides)
+    layout = Layout(args.data_parallel_size, args.tensor_parallel_size, True)
+    plan = rank_bytes(config, layout)
+    print(f"{args.shape}, {layout.describe()}: one GPU holds")
+    for group, size in plan.weights.items():
+        print(f"  {group:16s} {size / 1e9:9.3f} GB")
+    print(f"  {'total':16s} {plan.total / 1e9:9.3f} GB ({plan.total / 2**30:.2f} GiB)")
+    print(f"  KV per token of a sequence it serves: {plan.kv_per_token} bytes")
+    return {"shape": args.shape, "layout": layout.describe(), "weights": plan.weights,
+            "total": plan.total, "kv_per_token": plan.kv_per_token}  # fmt: skip
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subcommand(subparsers, "memory-plan", __doc__)
+    parser.add_argument("shape", choices=sorted(LATENT_MOE_SHAPES), help="which checkpoint")
+    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--num-experts", type=int, default=None, help="routed experts (default: the shape's)"
+    )
+    parser.set_defaults(run=main)

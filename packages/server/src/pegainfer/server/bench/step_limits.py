@@ -1,0 +1,102 @@
+"""What one engine step must read and compute, for the physical limits `benchmarks/model_step.py`
+sets beside its timings: the weight elements the matmuls see, the routed experts a batch
+touches, the KV a decode step reads and the FLOPs of causal attention over a prompt.
+
+Counts are of what the step needs, not of what a kernel happens to do: a packed INT4 int32 holds
+eight weights and scales hold none; a batch reads only the routed experts its tokens choose;
+sparse attention (GLM-5's) reads the latents of the keys it selects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from pegainfer.core.kv.kv_cache import ArenaSpec
+from pegainfer.core.quant.linear import QuantLinear
+from pegainfer.core.quant.scheme import Fp8Block
+
+# The KV arena of a sparse-attention model's indexer keys (GLM-5's).
+INDEX_ARENA = "index_k"
+# Parameters (and their modules) outside every matmul of a step's rows: the embedding is
+# gathered, and the LM head runs for one row of a prompt.
+_NOT_MATMULS = ("embed_tokens", "lm_head")
+
+
+def is_routed(name: str) -> bool:
+    """Whether the parameter or module `name` belongs to a MoE layer's routed experts."""
+    return ".mlp.experts." in name
+
+
+@dataclass(frozen=True)
+class MatmulWeights:
+    """Elements of a model's weights as the matmuls see them (a packed INT4 int32 holds eight,
+    quantization scales hold none), the embedding table and the LM head left out."""
+
+    elements: int
+    routed: int  # of which the routed experts'
+    fp8: int  # of which stored FP8 outside the routed experts (FP8 x FP8 GEMMs in prefill)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> MatmulWeights:
+        quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+        sizes = [(name, p.numel(), False) for name, p in model.named_parameters()
+                 if name.rpartition(".")[0] not in quantized]  # fmt: skip
+        sizes += [(name, m.out_features * m.in_features, isinstance(m.fmt, Fp8Block))
+                  for name, m in quantized.items()]  # fmt: skip
+        sizes = [size for size in sizes if not size[0].startswith(_NOT_MATMULS)]
+        return cls(
+            elements=sum(n for _, n, _ in sizes),
+            routed=sum(n for name, n, _ in sizes if is_routed(name)),
+            fp8=sum(n for name, n, fp8 in sizes if fp8 and not is_routed(name)),
+        )
+
+
+def untouched_experts(experts: int, top_k: int, tokens: int) -> float:
+    """The expected fraction of `experts` routed experts that none of `tokens` tokens chooses,
+    each choosing `top_k` of them evenly: (1 - k/E)^B (at one token, all but k of E)."""
+    return (1 - top_k / experts) ** tokens
+
+
+def kv_read_bytes(
+    arenas: list[ArenaSpec], block_size: int, context: float, top_k: int | None
+) -> float:
+    """Bytes of KV one sequence's decode step reads at `context` tokens: every arena's, or with
+    sparse attention (`top_k`: the keys a row selects) the latents of at most `top_k` keys and,
+    once the sequence is longer than that, every one of its indexer keys, to score them."""
+    total = 0.0
+    for spec in arenas:
+        per_token = spec.bytes_per_block / block_size
+        if top_k is None:
+            total += context * per_token
+        elif spec.name == INDEX_ARENA:
+            total += context * per_token if context > top_k else 0.0
+        else:
+            total += min(context, top_k) * per_token
+    return total
+
+
+def attention_flops(cfg: Any, arenas: list[ArenaSpec], tokens: int) -> float:
+    """FLOPs of causal attention over a prompt of `tokens` from position 0, for the model
+    config `cfg` (a GQA line's `head_dim`, or MLA's head dims; with `index_topk`, sparse).
+
+    GQA: QK and PV over `head_dim`. MLA runs such a prompt expanded: QK over the nope + rope
+    dims, PV over `v_head_dim`. A sparse model's sequence longer than `index_topk` keys: the
+    indexer scores every earlier key (its heads x head dim) and each row attends, absorbed (QK
+    over the latent and rope key, PV over the latent), over at most `index_topk` keys; a shorter
+    one attends densely, unscored."""
+    layers = arenas[0].num_layers
+    top_k = getattr(cfg, "index_topk", None)
+    if top_k is not None and tokens > top_k:
+        index_layers = next(spec.num_layers for spec in arenas if spec.name == INDEX_ARENA)
+        pairs = tokens * (tokens + 1) / 2
+        scores = index_layers * 2 * cfg.index_heads * cfg.index_head_dim * pairs
+        keys = top_k * (top_k + 1) / 2 + (tokens - top_k) * top_k  # rows' min(i + 1, top_k)
+        width = 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return scores + layers * 2 * cfg.num_heads * width * keys
+    head_width = getattr(cfg, "head_dim", None) or (
+        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2  # fmt: skip
+    # QK and PV, each 2 FLOPs per multiply-add over half the square (causal).
+    return 2 * layers * cfg.num_heads * head_width * tokens * tokens
