@@ -116,11 +116,12 @@ def rank_bytes(config: dict[str, Any], layout: Layout) -> RankBytes:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    overrides = {"n_routed_experts": args.num_experts} if args.num_experts else None
-    config = shape_config(args.shape, overrides)
+    cuts = {"num_hidden_layers": args.num_layers, "n_routed_experts": args.num_experts}
+    config = shape_config(args.shape, {key: n for key, n in cuts.items() if n is not None})
     layout = Layout(args.data_parallel_size, args.tensor_parallel_size, True)
     plan = rank_bytes(config, layout)
-    print(f"{args.shape}, {layout.describe()}: one GPU holds")
+    depth = f"{config['num_hidden_layers']} layers, {config['n_routed_experts']} experts"
+    print(f"{args.shape} ({depth}), {layout.describe()}: bytes per GPU")
     for group, size in plan.weights.items():
         print(f"  {group:16s} {size / 1e9:9.3f} GB")
     print(f"  {'total':16s} {plan.total / 1e9:9.3f} GB ({plan.total / 2**30:.2f} GiB)")
@@ -134,6 +135,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("shape", choices=sorted(LATENT_MOE_SHAPES), help="which checkpoint")
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--num-layers", type=int, default=None, help="layers (default: the shape's)"
+    )
     parser.add_argument(
         "--num-experts", type=int, default=None, help="routed experts (default: the shape's)"
     )
