@@ -98,3 +98,34 @@ def test_module_counts_leave_out_the_graph_buckets(tmp_path):
     assert module_token_counts(
         engine.model, WarmupShape(16, 256, 256, 8, 100, graph_buckets=(1, 2))
     ) == counts - {1, 2}
+
+
+def test_a_specialization_made_while_serving_is_logged(monkeypatch, caplog):
+    triton = pytest.importorskip("triton")
+    from pegainfer.core.runner import warmup
+
+    knobs = triton.knobs.runtime
+    monkeypatch.setattr(knobs, "jit_cache_hook", None)
+    warmup.watch_late_compiles()
+    hook = knobs.jit_cache_hook
+    assert hook is not None
+
+    class Kernel:
+        name = "_chunk_state_kernel"
+
+    with caplog.at_level("WARNING", logger=warmup.__name__):
+        assert hook(fn=Kernel(), repr="_chunk_state_kernel[BT=64]") is False  # still compiles
+    assert "_chunk_state_kernel specialized while serving" in caplog.text
+    assert "BT=64" in caplog.text
+
+
+def test_a_hook_installed_by_someone_else_is_left_alone(monkeypatch):
+    triton = pytest.importorskip("triton")
+    from pegainfer.core.runner import warmup
+
+    def theirs(**kwargs):
+        return False
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", theirs)
+    warmup.watch_late_compiles()
+    assert triton.knobs.runtime.jit_cache_hook is theirs

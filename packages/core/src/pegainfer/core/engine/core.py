@@ -61,7 +61,7 @@ from pegainfer.core.runner.memory import (
 )
 from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunner
 from pegainfer.core.runner.piecewise_graphs import token_buckets
-from pegainfer.core.runner.warmup import WarmupShape, warm_up
+from pegainfer.core.runner.warmup import WarmupShape, warm_up, watch_late_compiles
 from pegainfer.core.sampling.sampler import ScoredTokens, sample_requests
 from pegainfer.core.sampling.structured_output import Grammars
 from pegainfer.core.speculative.drafter import Drafter, DraftInputs
@@ -374,6 +374,7 @@ class EngineCore:
                                  args.max_num_seqs, num_blocks, bool(states), checkpoints,
                                  buckets)  # fmt: skip
             self._startup.mark(f"warm-up: {warm_up(self.runner, warmup)} eager steps")
+            watch_late_compiles()
         self.config = EngineConfig(
             model_dir=model_dir,
             tokenizer_dir=tokenizer_dir,

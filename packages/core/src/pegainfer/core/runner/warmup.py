@@ -22,14 +22,17 @@ checkpoint written for it), as the load-time forward check does.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.core.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -131,3 +134,28 @@ def warm_up(runner: ModelRunner, shape: WarmupShape) -> int:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return steps
+
+
+def _log_late_specialization(**kwargs: Any) -> bool:
+    name = getattr(kwargs.get("fn"), "name", "?")
+    logger.warning("Triton kernel %s specialized while serving (%s): a step waited on the "
+                   "compiler; the warm-up does not cover it", name,
+                   str(kwargs.get("repr"))[:400])  # fmt: skip
+    return False  # go on and make it
+
+
+def watch_late_compiles() -> None:
+    """From now on, log every Triton specialization this process makes: once the engine is
+    ready, each is a served step that waited on the compiler (seconds on a cold cache)
+    because the warm-up did not make it.
+
+    Triton calls its `jit_cache_hook` once per specialization a process makes (compiled, or
+    loaded from the disk cache), so served steps pay nothing for the watch. A hook someone
+    else installed is left alone.
+    """
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    if getattr(knobs.runtime, "jit_cache_hook", _log_late_specialization) is None:
+        knobs.runtime.jit_cache_hook = _log_late_specialization
