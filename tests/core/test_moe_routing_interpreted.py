@@ -5,12 +5,11 @@ reference's experts with its weights. The GPU tests check them compiled."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -39,8 +38,4 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_routing_kernels_pick_the_references_experts_interpreted():
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "routed 8" in result.stdout
+    assert "routed 8" in run_interpreted(SCRIPT)

@@ -98,3 +98,62 @@ def test_serving_after_the_warm_up_compiles_nothing(line, tmp_path):
     with TritonSpecializations() as made:
         serve(engine, random.Random(0), num_requests=24, max_len=600)
     assert made.made == [], "\n".join(made.made)
+
+
+class FlashInferModules:
+    """Records each FlashInfer JIT module loaded (built, or read from the disk cache): a
+    module's first use in a process loads it, and a build takes minutes on a cold cache."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def __enter__(self) -> FlashInferModules:
+        from flashinfer.jit import core
+
+        self._spec, self._before = core.JitSpec, core.JitSpec.build_and_load
+        before, loaded = self._before, self.loaded
+
+        def build_and_load(spec):
+            loaded.append(spec.name)
+            return before(spec)
+
+        core.JitSpec.build_and_load = build_and_load
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._spec.build_and_load = self._before
+
+
+def burst(engine: EngineCore, rng: random.Random, num_requests: int) -> None:
+    """`num_requests` decoding together (a graph bucket past the decode kernels' threshold),
+    a new prompt arriving beside them (an eager or piecewise step with that many decode rows),
+    then fewer and fewer as they finish at different lengths."""
+    for i in range(num_requests + 1):
+        prompt = [rng.randrange(1, 900) for _ in range(rng.randrange(5, 60))]
+        params = SamplingParams(max_tokens=4 + i, ignore_eos=True, temperature=0.0)
+        engine.add_request(EngineRequest(request_id=f"b{i}", prompt_token_ids=prompt,
+                                         params=params, eos_token_ids=[],
+                                         arrival_time=0.0))  # fmt: skip
+        if i == num_requests - 1:
+            for _ in range(3):
+                engine.step()
+    while engine.has_unfinished_requests:
+        engine.step()
+
+
+@pytest.mark.parametrize(  # the GQA lines (one not installed skips)
+    ("line", "tensor_cores"),
+    [("qwen3", "auto"), ("qwen3", "never"), ("qwen3", "always"), ("qwen35", "auto")],
+)
+def test_serving_after_the_start_loads_no_flashinfer_module(line, tensor_cores, tmp_path):
+    """Both decode kernels (CUDA cores below --decode-attention-tensor-cores auto's 16
+    sequences, tensor cores from it), in graphs and in eager steps, were loaded at start."""
+    WRITERS[line](tmp_path)
+    args = EngineArgs(model=str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=1024,
+                      max_num_seqs=24, max_num_batched_tokens=256, gpu_memory_utilization=0.3,
+                      decode_attention_tensor_cores=tensor_cores)  # fmt: skip
+    engine = EngineCore(args)
+    with FlashInferModules() as modules:
+        burst(engine, random.Random(1), num_requests=20)
+        serve(engine, random.Random(0), num_requests=12, max_len=600)
+    assert modules.loaded == [], "\n".join(modules.loaded)

@@ -17,6 +17,9 @@ from pegainfer.core.kv.kv_events import KVEventsConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("mtp", "self")
+DECODE_TENSOR_CORE_MODES = ("auto", "always", "never")
+#: `--decode-attention-tensor-cores auto`'s batch threshold (why: `attention.paged.DecodeKernels`).
+DECODE_TENSOR_CORES_FROM = 16
 #: The most draft tokens per request and step (--speculative-tokens).
 MAX_SPECULATIVE_TOKENS = 8
 
@@ -104,6 +107,13 @@ class EngineArgs:
         "Run steps that carry prefill tokens eagerly instead of replaying piecewise CUDA graphs "
         "(captured per token-count bucket, attention run between the pieces).",
         "--no-mixed-step-graphs",
+    )
+    decode_attention_tensor_cores: str = _arg(
+        "auto",
+        "GQA lines on CUDA (Qwen3, Qwen3.5): which of FlashInfer's decode kernels a batch of "
+        "decodes runs. always: the tensor-core kernel; never: the CUDA-core kernel (GQA groups "
+        f"of 1, 2, 3, 4 or 8 only); auto: tensor cores from {DECODE_TENSOR_CORES_FROM} sequences "
+        "on for groups of 4 and 8, the CUDA-core kernel below that and for smaller groups.",
     )
     async_scheduling: bool = _arg(
         True,
@@ -256,6 +266,11 @@ class EngineArgs:
             )
         if self.speculative_tokens:
             self._check_speculative()
+        if self.decode_attention_tensor_cores not in DECODE_TENSOR_CORE_MODES:
+            raise ConfigError(
+                "decode_attention_tensor_cores must be one of "
+                f"{', '.join(DECODE_TENSOR_CORE_MODES)}, got {self.decode_attention_tensor_cores!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"

@@ -73,6 +73,8 @@ class RuntimeConfig:
     max_num_seqs: int
     #: Batch sizes decode CUDA graphs are captured for (empty: run eagerly).
     graph_buckets: tuple[int, ...] = ()
+    #: `--decode-attention-tensor-cores`: for lines whose `Model.gqa_decode_kernels` is set.
+    decode_attention_tensor_cores: str = "auto"
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -96,6 +98,9 @@ class Model(torch.nn.Module, ABC):
     #: device values on the host or depends on the batch's sequences) except through the calls
     #: of `piecewise_cuts()`, which run eagerly between the pieces.
     supports_piecewise_graphs: bool = False
+    #: Whether the line's attention decodes through `attention.paged` (GQA), which honours
+    #: `RuntimeConfig.decode_attention_tensor_cores`; the engine refuses a choice otherwise.
+    gqa_decode_kernels: bool = False
 
     @property
     def transient_bytes(self) -> int:

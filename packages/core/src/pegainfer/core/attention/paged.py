@@ -9,6 +9,14 @@ apart because the prefill planner picks one query tile for the whole batch from 
 length: beside a long prompt, each one-row decode then fills a tile sized for the prompt (at 256
 decodes and a 1,024-token prompt on an H200, attention took 14.5 ms a step against 11.3 ms for
 the same decodes alone).
+
+FlashInfer decodes with one of two kernels: its CUDA-core decode kernel (`BatchDecode...`,
+one module per dtype and head size, GQA groups of 1, 2, 3, 4 and 8 compiled in) or, with
+`use_tensor_cores`, its prefill kernel over one query row per sequence, which packs a KV head's
+group of query heads into the rows of one MMA tile (the same JIT module as the prefill
+wrapper's). `DecodeKernels` picks one per decode batch size: each graph bucket gets its own, and
+an eager step's decode rows the one their count picks (`benchmarks/decode_kernels.py` times
+both).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pegainfer.core.args import DECODE_TENSOR_CORE_MODES, DECODE_TENSOR_CORES_FROM
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.ops.paged_attention import paged_attention
 from pegainfer.core.runner.forward_batch import ForwardBatch
 
@@ -40,6 +50,70 @@ class GQAShape:
     @property
     def scale(self) -> float:
         return self.head_dim**-0.5
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+#: GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (0.6.x: its
+#: `batch_decode.cu` dispatches num_qo_heads / num_kv_heads through DISPATCH_GQA_GROUP_SIZE and
+#: fails on any other group at plan time).
+CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 8})
+
+
+@dataclass(frozen=True)
+class DecodeKernels:
+    """Which of FlashInfer's decode kernels a batch of `rows` decodes runs: tensor cores from
+    `tensor_cores_from` rows on (1: always), the CUDA-core kernel below (None: always).
+
+    `auto`'s threshold for groups of 4 and 8 (`DECODE_TENSOR_CORES_FROM`, 16): below it a batch
+    has fewer (sequence, KV head) pairs than an H200 has SMs (16 x 8 KV heads = 128 of 132), so
+    both kernels split each sequence's KV over several CTAs and merge the parts, and attention
+    is bound by latency (12 us a layer at one sequence, issue 19's profile), not by the MMA
+    work tensor cores save: the lighter CUDA-core kernel is the candidate there. From it on
+    every pair fills a CTA and packing a KV head's query group into MMA rows pays (tensor cores
+    read the KV at 85% of the copy rate at 256 sequences). `benchmarks/decode_kernels.py`
+    times both kernels per batch size to confirm or move it.
+    """
+
+    tensor_cores_from: int | None
+
+    def __post_init__(self) -> None:
+        if self.tensor_cores_from is not None and self.tensor_cores_from < 1:
+            raise ValueError(f"tensor_cores_from must be at least 1, got {self.tensor_cores_from}")
+
+    @classmethod
+    def for_mode(
+        cls, mode: str, shape: GQAShape, threshold: int = DECODE_TENSOR_CORES_FROM
+    ) -> DecodeKernels:
+        """`always`, `never`, or `auto`: groups below 4 never use tensor cores (the 16-row MMA
+        tile would be mostly padding), groups the CUDA-core kernel lacks always do, groups of 4
+        and 8 from `threshold` sequences on."""
+        if mode not in DECODE_TENSOR_CORE_MODES:
+            raise ConfigError(
+                f"decode_attention_tensor_cores must be one of "
+                f"{', '.join(DECODE_TENSOR_CORE_MODES)}, got {mode!r}"
+            )
+        if mode == "always" or (mode == "auto" and shape.group not in CUDA_CORE_DECODE_GROUPS):
+            return cls(1)
+        if mode == "never" or shape.group < 4:
+            choice = cls(None)
+            choice.check(shape)
+            return choice
+        return cls(threshold)
+
+    def tensor_cores(self, rows: int) -> bool:
+        return self.tensor_cores_from is not None and rows >= self.tensor_cores_from
+
+    def check(self, shape: GQAShape) -> None:
+        """Refuse a choice that would send a group the CUDA-core kernel lacks to it."""
+        if self.tensor_cores_from != 1 and shape.group not in CUDA_CORE_DECODE_GROUPS:
+            raise ConfigError(
+                f"FlashInfer's CUDA-core decode kernel is built for GQA groups of "
+                f"{sorted(CUDA_CORE_DECODE_GROUPS)}, not {shape.group} ({shape.num_heads} heads "
+                f"over {shape.num_kv_heads} KV heads): decode on tensor cores (always or auto)"
+            )
 
 
 class PagedAttention(ABC):
@@ -183,17 +257,20 @@ class FlashInferPagedAttention(PagedAttention):
         device: torch.device,
         max_pages_per_seq: int,
         graph_buckets: tuple[int, ...] = (),
+        decode_kernels: DecodeKernels | None = None,
     ) -> None:
+        """`decode_kernels`: by default `auto`'s choice for the shape."""
         import flashinfer
 
         super().__init__(shape)
         self.dtype = dtype
         self.device = device
+        self.decode_kernels = decode_kernels or DecodeKernels.for_mode("auto", shape)
+        self.decode_kernels.check(shape)
         self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, "NHD", backend="fa2"
         )
-        tensor_cores = shape.num_heads // shape.num_kv_heads >= 4
         # One set of index buffers, sliced per bucket: graphs replay one at a time.
         largest = max(graph_buckets, default=0)
         indptr = torch.zeros(largest + 1, dtype=torch.int32, device=device)
@@ -204,7 +281,7 @@ class FlashInferPagedAttention(PagedAttention):
                 self._workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=tensor_cores,
+                use_tensor_cores=self.decode_kernels.tensor_cores(bucket),
                 paged_kv_indptr_buffer=indptr[: bucket + 1],
                 paged_kv_indices_buffer=indices[: bucket * max_pages_per_seq],
                 paged_kv_last_page_len_buffer=last_page_len[:bucket],
@@ -212,11 +289,19 @@ class FlashInferPagedAttention(PagedAttention):
             for bucket in graph_buckets
         }
         share_plan_buffers(list(self._graph_decode.values()))  # planned under _graph_staging
-        # Eager steps: decode rows, then prefill rows. The wrappers share the workspace (their
-        # runs follow each other on one stream); each stages its own plan.
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=tensor_cores
-        )
+        # Eager steps: decode rows (through the kernel their count picks), then prefill rows.
+        # The wrappers share the workspace (their runs follow each other on one stream); the
+        # decode wrappers, of which a step plans one, share plan buffers and their staging.
+        kinds = {False, True}
+        if self.decode_kernels.tensor_cores_from in (None, 1):
+            kinds = {self.decode_kernels.tensor_cores_from == 1}
+        self._decode = {
+            kind: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=kind
+            )
+            for kind in sorted(kinds)
+        }
+        share_plan_buffers(list(self._decode.values()))
         # (wrapper, first row, rows) of the step planned, in order.
         self._active: list[tuple[Any, int, int]] = []
         self._decode_staging, self._prefill_staging = PlanStaging(), PlanStaging()
@@ -228,8 +313,9 @@ class FlashInferPagedAttention(PagedAttention):
         self._active = []
         if decodes:
             head, index = index.split(decodes) if decodes < batch.num_seqs else (index, None)
-            self._plan_decode(self._decode, head, batch.block_size, self._decode_staging)
-            self._active.append((self._decode, 0, decodes))
+            wrapper = self._decode[self.decode_kernels.tensor_cores(decodes)]
+            self._plan_decode(wrapper, head, batch.block_size, self._decode_staging)
+            self._active.append((wrapper, 0, decodes))
         if index is None:
             return
         qo_indptr = batch.query_start_loc_cpu[decodes:] - decodes
@@ -288,8 +374,13 @@ def make_paged_attention(
     device: torch.device,
     max_pages_per_seq: int,
     graph_buckets: tuple[int, ...] = (),
+    decode_tensor_cores: str = "auto",
 ) -> PagedAttention:
-    """FlashInfer on CUDA, the torch reference elsewhere."""
+    """FlashInfer on CUDA, the torch reference elsewhere (`decode_tensor_cores`, one of
+    `DECODE_TENSOR_CORE_MODES`, is checked on both)."""
+    kernels = DecodeKernels.for_mode(decode_tensor_cores, shape)
     if device.type == "cuda":
-        return FlashInferPagedAttention(shape, dtype, device, max_pages_per_seq, graph_buckets)
+        return FlashInferPagedAttention(
+            shape, dtype, device, max_pages_per_seq, graph_buckets, kernels
+        )
     return TorchPagedAttention(shape)

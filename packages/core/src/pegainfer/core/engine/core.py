@@ -296,12 +296,19 @@ class EngineCore:
         # capture them too, but that has not run on GPUs; data-parallel steps run eagerly).
         mixed_graphs = (use_graphs and args.mixed_step_graphs and self.ranks is None
                         and self.model.supports_piecewise_graphs)  # fmt: skip
+        if args.decode_attention_tensor_cores != "auto" and not self.model.gqa_decode_kernels:
+            raise ConfigError(
+                f"--decode-attention-tensor-cores {args.decode_attention_tensor_cores}: the "
+                f"{line.name!r} line's attention does not decode through FlashInfer's GQA "
+                "kernels, so there is no choice to make; leave it at auto"
+            )
         runtime = RuntimeConfig(
             block_size=args.block_size,
             max_model_len=max_model_len + lookahead,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             graph_buckets=buckets,
+            decode_attention_tensor_cores=args.decode_attention_tensor_cores,
         )
         if self.ranks is not None:
             self.ranks.init_runtime(runtime)

@@ -118,6 +118,7 @@ class Qwen3Layer(nn.Module):
 class Qwen3ForCausalLM(Model):
     supports_cuda_graphs = True
     supports_piecewise_graphs = True
+    gqa_decode_kernels = True
 
     def __init__(
         self,
@@ -162,8 +163,9 @@ class Qwen3ForCausalLM(Model):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, runtime.max_model_len, device)
         shape = GQAShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.attn = make_paged_attention(
-            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
-        )
+            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets,
+            runtime.decode_attention_tensor_cores,
+        )  # fmt: skip
         self.ops = _ops(device)
 
     def prepare(self, batch: ForwardBatch) -> None:

@@ -336,6 +336,7 @@ class Qwen35Layer(nn.Module):
 
 class Qwen35ForCausalLM(Model):
     supports_cuda_graphs = True
+    gqa_decode_kernels = True
 
     def __init__(self, cfg: Qwen35Config, group: parallel.ParallelGroup | None = None) -> None:
         super().__init__()
@@ -398,8 +399,9 @@ class Qwen35ForCausalLM(Model):
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, runtime.max_model_len, device)
         shape = GQAShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.attn = make_paged_attention(
-            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets
-        )
+            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets,
+            runtime.decode_attention_tensor_cores,
+        )  # fmt: skip
         self.ops = layer_ops(device)
         self._max_rows = max(runtime.max_num_batched_tokens, *runtime.graph_buckets, 1)
         if runtime.graph_buckets:
