@@ -179,7 +179,33 @@ def time_gemm(
     return row
 
 
-def print_tables(rows: list[dict], num_layers: int) -> None:
+def best_gemv(row: dict) -> tuple[str, float]:
+    key = min(row["gemv"], key=lambda k: row["gemv"][k]["us"])
+    return key, row["gemv"][key]["us"]
+
+
+def step_gemms(rows: list[dict], num_layers: int) -> list[dict]:
+    """Per row count: a decode step's GEMM time (every layer's four and the LM head once) with
+    cuBLAS, with the GEMV's default configuration and with its best per layer, beside the
+    weights' byte limit."""
+    totals = []
+    gemms = [r for r in rows if r["part"] == "gemm"]
+    for count in sorted({r["rows"] for r in gemms}):
+        of = [r for r in gemms if r["rows"] == count]
+        if {r["layer"] for r in of} != {"qkv", "o", "gate_up", "down", "lm_head"}:
+            continue
+        times = {"cublas": 0.0, "gemv_default": 0.0, "gemv_best": 0.0, "limit": 0.0}
+        for r in of:
+            layers = 1 if r["layer"] == "lm_head" else num_layers
+            times["cublas"] += layers * r["cublas_us"]
+            times["gemv_default"] += layers * r["gemv"][r["gemv_default_config"]]["us"]
+            times["gemv_best"] += layers * best_gemv(r)[1]
+            times["limit"] += layers * r["limit_us"]
+        totals.append({"rows": count} | {f"{k}_ms": v / 1e3 for k, v in times.items()})
+    return totals
+
+
+def print_tables(rows: list[dict], totals: list[dict], num_layers: int) -> None:
     print("\nAttention, one layer (us; limit = the layer's KV bytes at the copy rate)")
     print(f"{'context':>7} {'batch':>5} {'tensor':>8} {'cuda':>8} {'limit':>8} "
           f"{'tc/limit':>8} {'cc/limit':>8}  step ms tc / cc")  # fmt: skip
@@ -195,11 +221,16 @@ def print_tables(rows: list[dict], num_layers: int) -> None:
     for r in rows:
         if r["part"] == "gemm":
             default = r["gemv"][r["gemv_default_config"]]["us"]
-            best_key = min(r["gemv"], key=lambda key: r["gemv"][key]["us"])
-            best, lim = r["gemv"][best_key]["us"], r["limit_us"]
+            best_key, best = best_gemv(r)
+            lim = r["limit_us"]
             print(f"{r['layer']:>8} {r['rows']:>4} {r['cublas_us']:8.1f} {default:8.1f} "
                   f"{best:8.1f} {best_key:>12} {lim:8.1f} {lim / r['cublas_us']:10.0%} "
                   f"{lim / best:8.0%}")  # fmt: skip
+    print("\nA decode step's GEMMs (ms; each layer's four, the LM head once)")
+    print(f"{'rows':>4} {'cuBLAS':>8} {'gemv':>8} {'best':>8} {'limit':>8}")
+    for t in totals:
+        print(f"{t['rows']:>4} {t['cublas_ms']:8.3f} {t['gemv_default_ms']:8.3f} "
+              f"{t['gemv_best_ms']:8.3f} {t['limit_ms']:8.3f}")  # fmt: skip
 
 
 def main() -> None:
@@ -248,15 +279,17 @@ def main() -> None:
     import flashinfer
     import triton
 
+    totals = step_gemms(rows, cfg["num_hidden_layers"])
     result = {
         "shape": args.shape, "config": cfg, "revision": args.revision or git_revision(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "flashinfer": flashinfer.__version__,
         "measured_copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows,
+        "step_gemms": totals,
     }  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1))
-    print_tables(rows, cfg["num_hidden_layers"])
+    print_tables(rows, totals, cfg["num_hidden_layers"])
     bad = [r for r in rows if any(v > TOLERANCE for key, v in r.items() if key.endswith("rel_err"))
            or any(v["rel_err"] > TOLERANCE for v in r.get("gemv", {}).values())]  # fmt: skip
     if bad:

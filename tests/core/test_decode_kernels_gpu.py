@@ -92,7 +92,7 @@ def test_graph_buckets_replay_their_kernel_as_eager_steps_run_it(geometry):
         same.plan(real)
         want = same.attend(q, kv)
         torch.cuda.synchronize()
-        assert rel_err(out[:n], want) < 2e-3, bucket  # the same kernel: rounding apart
+        assert rel_err(out[:n], want) < 4e-3, bucket  # the same kernel: roundings apart
         assert rel_err(out[:n], reference(shape, real, q, kv)) < 1e-2, bucket
 
 
