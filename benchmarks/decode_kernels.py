@@ -13,7 +13,8 @@ GEMMs: each linear layer of a decode step (qkv, o, gate_up, down and the LM head
 rows, with torch.matmul (cuBLAS, what the model runs) and with the Triton GEMV of
 `core.kernels.gemv` under its default and a few other tile configurations; timed as calls over
 enough weight copies to defeat L2, captured in a CUDA graph; its limit is the weight's bytes
-over the copy rate.
+over the copy rate. `down+silu` is the MLP's tail as the model runs it (SiLU-and-mul's kernel,
+then cuBLAS) against the gated GEMV, which applies the activation as it loads x.
 
 Every alternative is checked against its reference first (attention: `ops.paged_attention`;
 GEMV: fp32 matmul); a mismatch fails the run after the JSON is written.
@@ -38,7 +39,9 @@ from pegainfer.core.attention.paged import (
     GQAShape,
     TorchPagedAttention,
 )
+from pegainfer.core.kernels.activation import silu_and_mul
 from pegainfer.core.kernels.gemv import GemvConfig, default_config, gemv
+from pegainfer.core.ops.activation import silu_and_mul as ref_silu_and_mul
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.server.bench.make_checkpoint import SHAPES, VOCAB_SIZE
 from pegainfer.server.bench.report import git_revision
@@ -134,12 +137,13 @@ def time_attention(
 
 
 def gemm_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """(N, K) of each linear layer of a decode step."""
+    """(N, K) of each linear layer of a decode step (`down+silu`: down with the activation
+    before it)."""
     h, d = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     inter = cfg["intermediate_size"]
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter),
-            "lm_head": (VOCAB_SIZE, h)}  # fmt: skip
+            "down+silu": (h, inter), "lm_head": (VOCAB_SIZE, h)}  # fmt: skip
 
 
 def parse_config(text: str) -> GemvConfig:
@@ -155,14 +159,19 @@ def time_gemm(
     """One layer's GEMM at `rows` rows, over `weights` (copies of one shape)."""
     (n, k), copies = weights[0].shape, len(weights)
     weight_bytes = n * k * 2
-    x = randn(rows, k, g=gpu)
-    exact = x.float() @ weights[0].float().T
+    gated = name.endswith("+silu")
+    x = randn(rows, 2 * k if gated else k, g=gpu)
+
+    def cublas(w: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(silu_and_mul(x) if gated else x, w.T)
+
+    exact = (ref_silu_and_mul(x.float()) if gated else x.float()) @ weights[0].float().T
     row = {"part": "gemm", "layer": name, "n": n, "k": k, "rows": rows,
            "weight_bytes": weight_bytes, "copies_timed": copies,
            "limit_us": weight_bytes / bandwidth * 1e6}  # fmt: skip
-    graph = captured(lambda: [torch.matmul(x, w.T) for w in weights])
+    graph = captured(lambda: [cublas(w) for w in weights])
     row["cublas_us"] = replay_time(graph) / copies * 1e6
-    row["cublas_rel_err"] = rel_err(torch.matmul(x, weights[0].T), exact)
+    row["cublas_rel_err"] = rel_err(cublas(weights[0]), exact)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default = default_config(n, sms)
     row["gemv_default_config"] = "x".join(
@@ -172,8 +181,9 @@ def time_gemm(
     for config in dict.fromkeys([default, *configs]):  # the default first, once
         key = "x".join(str(v) for v in (config.block_n, config.block_k, config.num_stages,
                                           config.num_warps))  # fmt: skip
-        err = rel_err(gemv(x, weights[0], config), exact)
-        graph = captured(lambda config=config: [gemv(x, w, config) for w in weights])
+        err = rel_err(gemv(x, weights[0], config, gated=gated), exact)
+        graph = captured(lambda config=config: [gemv(x, w, config, gated=gated)
+                                                for w in weights])  # fmt: skip
         row["gemv"][key] = {"us": replay_time(graph) / copies * 1e6, "rel_err": err}
         del graph
     return row
@@ -185,15 +195,16 @@ def best_gemv(row: dict) -> tuple[str, float]:
 
 
 def step_gemms(rows: list[dict], num_layers: int) -> list[dict]:
-    """Per row count: a decode step's GEMM time (every layer's four and the LM head once) with
-    cuBLAS, with the GEMV's default configuration and with its best per layer, beside the
-    weights' byte limit."""
+    """Per row count: a decode step's GEMM time (every layer's four, down with the SiLU-and-mul
+    before it, and the LM head once) with cuBLAS, with the GEMV's default configuration and
+    with its best per layer, beside the weights' byte limit."""
     totals = []
     gemms = [r for r in rows if r["part"] == "gemm"]
     for count in sorted({r["rows"] for r in gemms}):
         of = [r for r in gemms if r["rows"] == count]
-        if {r["layer"] for r in of} != {"qkv", "o", "gate_up", "down", "lm_head"}:
+        if not {"qkv", "o", "gate_up", "down+silu", "lm_head"} <= {r["layer"] for r in of}:
             continue
+        of = [r for r in of if r["layer"] != "down"]  # counted with its activation
         times = {"cublas": 0.0, "gemv_default": 0.0, "gemv_best": 0.0, "limit": 0.0}
         for r in of:
             layers = 1 if r["layer"] == "lm_head" else num_layers
@@ -216,17 +227,20 @@ def print_tables(rows: list[dict], totals: list[dict], num_layers: int) -> None:
                   f"{lim / tc:8.0%} {lim / cc:8.0%}  "
                   f"{tc * num_layers / 1e3:.3f} / {cc * num_layers / 1e3:.3f}")  # fmt: skip
     print("\nGEMMs (us; limit = the weight's bytes at the copy rate)")
-    print(f"{'layer':>8} {'rows':>4} {'cuBLAS':>8} {'gemv':>8} {'best':>8} {'config':>12} "
+    print(f"{'layer':>9} {'rows':>4} {'cuBLAS':>8} {'gemv':>8} {'best':>8} {'config':>12} "
           f"{'limit':>8} {'cuBLAS/lim':>10} {'best/lim':>8}")  # fmt: skip
     for r in rows:
         if r["part"] == "gemm":
             default = r["gemv"][r["gemv_default_config"]]["us"]
             best_key, best = best_gemv(r)
             lim = r["limit_us"]
-            print(f"{r['layer']:>8} {r['rows']:>4} {r['cublas_us']:8.1f} {default:8.1f} "
+            print(f"{r['layer']:>9} {r['rows']:>4} {r['cublas_us']:8.1f} {default:8.1f} "
                   f"{best:8.1f} {best_key:>12} {lim:8.1f} {lim / r['cublas_us']:10.0%} "
                   f"{lim / best:8.0%}")  # fmt: skip
-    print("\nA decode step's GEMMs (ms; each layer's four, the LM head once)")
+    print(
+        "\nA decode step's GEMMs (ms; each layer's four, down with its activation, the LM head "
+        "once)"
+    )
     print(f"{'rows':>4} {'cuBLAS':>8} {'gemv':>8} {'best':>8} {'limit':>8}")
     for t in totals:
         print(f"{t['rows']:>4} {t['cublas_ms']:8.3f} {t['gemv_default_ms']:8.3f} "

@@ -1,12 +1,14 @@
 """The decode GEMV (`core.kernels.gemv`) against torch.matmul in bf16 at the decode shapes of
 Qwen3-4B and -8B's layers (and ragged ones), one to sixteen rows, under the default
-configuration and the benchmark's (CUDA; skipped elsewhere)."""
+configuration and the benchmark's; gated, against SiLU-and-mul's kernel then matmul (CUDA;
+skipped elsewhere)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pegainfer.core.kernels.activation import silu_and_mul
 from pegainfer.core.kernels.gemv import MAX_ROWS, GemvConfig, gemv
 
 pytestmark = pytest.mark.gpu
@@ -30,6 +32,18 @@ def test_gemv_matches_matmul(n, k, rows, config):
     torch.testing.assert_close(ours, torch.matmul(x, w.T), rtol=1.6e-2, atol=1e-2)
     err = ((ours.float() - exact).norm() / exact.norm()).item()
     assert err < 4e-3
+
+
+@pytest.mark.parametrize(("n", "k"), [(2560, 9728), (4096, 12288), (1000, 200)])
+@pytest.mark.parametrize("rows", [1, 4, MAX_ROWS])
+def test_gated_gemv_matches_silu_and_mul_then_matmul(n, k, rows):
+    g = torch.Generator("cuda").manual_seed(n + rows)
+    gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
+    ours = gemv(gate_up, w, gated=True)
+    # The same bf16 activations (one rounding of silu, one of the product) into fp32 sums.
+    torch.testing.assert_close(ours, torch.matmul(silu_and_mul(gate_up), w.T), rtol=1.6e-2,
+                               atol=1e-2)  # fmt: skip
 
 
 def test_gemv_reads_a_strided_x_and_a_weight_slice():

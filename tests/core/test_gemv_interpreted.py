@@ -1,7 +1,7 @@
 """The decode GEMV's logic on the CPU, through Triton's interpreter (TRITON_INTERPRET=1, in a
 process of its own: the interpreter is chosen when the kernel is defined): ragged N and K, one
-to sixteen rows, every column block, against `F.linear` in fp32 (the interpreter's bf16 is not
-the GPU's; `test_gemv_gpu.py` checks bf16 compiled)."""
+to sixteen rows, every column block, plain and gated, against `F.linear` (after `silu_and_mul`)
+in fp32 (the interpreter's bf16 is not the GPU's; `test_gemv_gpu.py` checks bf16 compiled)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from pegainfer.core.kernels.gemv import GemvConfig, gemv
+    from pegainfer.core.ops.activation import silu_and_mul
 
     torch.manual_seed(0)
     cases = [(1, 40, 512, GemvConfig(16, 128)), (3, 64, 300, GemvConfig(16, 128)),
@@ -24,6 +25,10 @@ SCRIPT = textwrap.dedent("""
     for m, n, k, config in cases:
         x, w = torch.randn(m, k), torch.randn(n, k)
         torch.testing.assert_close(gemv(x, w, config), F.linear(x, w), rtol=1e-4, atol=1e-4)
+        gate_up = torch.randn(m, 2 * k)
+        torch.testing.assert_close(gemv(gate_up, w, config, gated=True),
+                                   F.linear(silu_and_mul(gate_up), w), rtol=1e-4,
+                                   atol=1e-4)  # fmt: skip
     print("matched", len(cases))
 """)
 
@@ -55,3 +60,5 @@ def test_gemv_refuses_what_it_does_not_take():
         gemv(torch.zeros(2, 128)[:, ::2], torch.zeros(32, 64), config)
     with pytest.raises(ValueError, match=r"x \[M, K\]"):
         gemv(torch.zeros(1, 64), torch.zeros(32, 63), config)
+    with pytest.raises(ValueError, match=r"x \[M, 2K\]"):
+        gemv(torch.zeros(1, 64), torch.zeros(32, 64), config, gated=True)

@@ -10,6 +10,9 @@ few thousand columns that is hundreds of programs, all resident at once, enough 
 to keep HBM busy without splitting K. The few rows of x are padded to one 16-row MMA tile (they
 come from L2: every program reads them) and the products accumulate in fp32.
 
+`gated` takes x = [gate | up] and multiplies silu(gate) * up (with `ops.activation`'s casts)
+as it loads each tile: an MLP's down projection without the SiLU-and-mul launch before it.
+
 `benchmarks/decode_kernels.py` times it against cuBLAS at each layer's shape; it is not wired
 into the model until that shows it faster.
 """
@@ -50,6 +53,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -63,11 +67,18 @@ def _gemv_kernel(
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
+            x_mask = m_mask
         else:
             k_mask = (k * BLOCK_K + rk)[None, :] < K
             w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
+            x_mask = m_mask & k_mask
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if GATED:  # x holds the gates; the ups sit K columns on
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
+            # torch rounds silu(gate) to the input dtype before the product; so do we.
+            act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (act * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -89,14 +100,19 @@ def default_config(n: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n=16)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, *, gated: bool = False
+) -> torch.Tensor:
     """`F.linear(x, w)` for x [M, K] with M <= MAX_ROWS and w [N, K], both K-contiguous and of
-    one dtype; y [M, N] in that dtype, accumulated in fp32."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+    one dtype; y [M, N] in that dtype, accumulated in fp32. `gated`: x is [M, 2K], [gate | up],
+    and y is `F.linear(silu_and_mul(x), w)`."""
+    width = x.shape[-1] // 2 if gated else x.shape[-1]
+    if x.dim() != 2 or w.dim() != 2 or width != w.shape[1] or (gated and x.shape[1] % 2):
+        wanted = "[M, 2K]" if gated else "[M, K]"
         raise ValueError(
-            f"gemv takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}"
+            f"gemv takes x {wanted} and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}"
         )
-    m, k = x.shape
+    m, k = x.shape[0], width
     n = w.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {m}")
@@ -120,6 +136,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> 
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
+        GATED=gated,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
