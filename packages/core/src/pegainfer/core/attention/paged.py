@@ -16,7 +16,10 @@ one module per dtype and head size, GQA groups of 1, 2, 3, 4 and 8 compiled in) 
 group of query heads into the rows of one MMA tile (the same JIT module as the prefill
 wrapper's). `DecodeKernels` picks one per decode batch size: each graph bucket gets its own, and
 an eager step's decode rows the one their count picks (`benchmarks/decode_kernels.py` times
-both).
+both). The CUDA-core module is one more JIT build at its first plan (~20 s on a cold cache on an
+H200, then loaded from the cache); graph capture plans every bucket, and the warm-up's steps of
+one and three decodes the eager wrappers, so it is loaded before the server is ready
+(`tests/core/test_warmup_gpu.py` checks that serving loads no module).
 """
 
 from __future__ import annotations
