@@ -9,7 +9,8 @@ import torch
 
 from pegainfer.core.kv.kv_cache import KVCache
 from pegainfer.core.loading.model_files import read_config
-from pegainfer.core.model_line import Model, ModelContext, ModelLine, RuntimeConfig
+from pegainfer.core.model import Model, ModelContext
+from pegainfer.core.model_line import ModelLine, RuntimeConfig
 from pegainfer.core.runner.forward_batch import ForwardBatch
 
 BLOCK = 4

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from pegainfer.core.model_line import Model
+from pegainfer.core.model import Model
 from pegainfer.core.ops import quant as ref
 from pegainfer.core.quant.scheme import INT4_SHAPE_SUFFIX, Fp8Block, Int4Group, parse_quantization
 from tests.paged_runner import PagedRunner

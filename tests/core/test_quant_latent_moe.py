@@ -12,7 +12,8 @@ import torch
 from pegainfer.core.latent_moe.model import LatentMoEForCausalLM
 from pegainfer.core.loading.model_files import read_config
 from pegainfer.core.loading.weights import build_and_load
-from pegainfer.core.model_line import ModelContext, RuntimeConfig
+from pegainfer.core.model import ModelContext
+from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.moe.experts import QuantizedExpertWeights
 from pegainfer.core.quant.linear import QuantLinear
 from pegainfer.core.quant.scheme import parse_quantization

@@ -9,7 +9,7 @@ import torch
 from pegainfer.core.loading import staging as staging_module
 from pegainfer.core.loading.model_files import read_config
 from pegainfer.core.loading.staging import StagedCopies
-from pegainfer.core.model_line import ModelContext
+from pegainfer.core.model import ModelContext
 from pegainfer.models.qwen3.line import Qwen3Line
 
 pytestmark = pytest.mark.gpu

@@ -14,8 +14,9 @@ import torch
 
 from pegainfer.core.engine.messages import EngineRequest
 from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.sampling.grammar_mask import mask_logits
 from pegainfer.core.sampling.sampling_params import SamplingParams
-from pegainfer.core.sampling.structured_output import StructuredOutput, mask_logits
+from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.core.text.tokenizer import Tokenizer
 from pegainfer.models.qwen3.line import Qwen3Line
 from tests.engine_harness import (

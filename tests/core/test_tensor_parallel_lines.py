@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from pegainfer.core.distributed.parallel import ParallelGroup
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.loading.model_files import read_config
-from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
+from pegainfer.core.model import ModelContext
+from pegainfer.core.model_line import ModelLine, RuntimeConfig
 from pegainfer.models.qwen3.line import Qwen3Line
 from tests.core.test_parallel import free_port
 from tests.paged_runner import PagedRunner, random_tokens

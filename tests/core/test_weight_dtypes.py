@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from pegainfer.core.loading.weights import WeightTarget, build_and_load, empty_param
-from pegainfer.core.model_line import ModelContext
+from pegainfer.core.model import ModelContext
 
 
 class Router(nn.Module):

@@ -11,7 +11,8 @@ import torch
 
 from pegainfer import LLM, SamplingParams
 from pegainfer.core.loading.model_files import read_config
-from pegainfer.core.model_line import ModelContext, RuntimeConfig
+from pegainfer.core.model import ModelContext
+from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.models.kimi_k2.line import KimiK2Line
 from pegainfer.server.bench import make_checkpoint as mc
 from tests.paged_runner import PagedRunner

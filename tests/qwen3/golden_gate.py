@@ -182,7 +182,7 @@ class TeacherForcer:
         if self.stateful and slots is None:
             slots = list(range(len(chunks)))
         batch = ForwardBatch.build(
-            chunks, starts, tables, [True] * len(chunks), self.bs, self.engine.config.device,
+            chunks, starts, tables, [True] * len(chunks), self.bs, self.engine.runner.device,
             state_slots=slots, state_restore=restore, state_snapshot=snapshot,
         )  # fmt: skip
         eng = self.engine

@@ -13,7 +13,8 @@ import torch
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.loading.model_files import read_config
-from pegainfer.core.model_line import ModelContext, RuntimeConfig
+from pegainfer.core.model import ModelContext
+from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.qwen35.line import Qwen35Line
 from tests.paged_runner import BLOCK, PagedRunner

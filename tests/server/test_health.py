@@ -9,9 +9,8 @@ import json
 
 import httpx
 import pytest
-import torch
 
-from pegainfer.core.engine.core import EngineConfig
+from pegainfer.core.engine.engine_config import EngineConfig
 from pegainfer.core.engine.frontend import Frontend
 from pegainfer.core.engine.loop import OutputSink
 from pegainfer.core.engine.messages import Inbound
@@ -51,8 +50,8 @@ def stall_after(monkeypatch) -> float:
 
 def test_health_turns_503_when_no_waiting_slot_comes_back(tiny_model, stall_after):
     model_config = json.loads((tiny_model / "config.json").read_text())
-    config = EngineConfig(tiny_model, tiny_model, model_config, "qwen3", torch.device("cpu"),
-                          torch.float32, 512, 16, 64, model_config["vocab_size"])  # fmt: skip
+    config = EngineConfig(tiny_model, tiny_model, model_config, "qwen3", "cpu",
+                          "float32", 512, 16, 64, model_config["vocab_size"])  # fmt: skip
     frontend = Frontend(tiny_model, Tokenizer.from_dir(tiny_model))
 
     async def scenario() -> None:

@@ -7,10 +7,9 @@ import json
 import uuid
 
 import httpx
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from pegainfer.core.engine.core import EngineConfig
+from pegainfer.core.engine.engine_config import EngineConfig
 from pegainfer.core.engine.frontend import Frontend
 from pegainfer.core.engine.metrics import Metrics
 from pegainfer.core.sampling.sampling_params import SamplingParams
@@ -278,8 +277,8 @@ def test_a_sequence_ended_before_its_prompt_ran_counts_no_prompt_tokens(tiny_mod
     """It finishes (aborted, with its prompt's length in the histogram), but its prompt was
     never processed: vLLM leaves it out of prompt_tokens_total."""
     model_config = json.loads((tiny_model / "config.json").read_text())
-    config = EngineConfig(tiny_model, tiny_model, model_config, "qwen3", torch.device("cpu"),
-                          torch.float32, 512, 16, 64, model_config["vocab_size"])  # fmt: skip
+    config = EngineConfig(tiny_model, tiny_model, model_config, "qwen3", "cpu",
+                          "float32", 512, 16, 64, model_config["vocab_size"])  # fmt: skip
     frontend = Frontend(tiny_model, Tokenizer.from_dir(tiny_model))
     ids = frontend.tokenizer.encode("never runs", False)
 

@@ -9,9 +9,8 @@ import json
 import threading
 
 import httpx
-import torch
 
-from pegainfer.core.engine.core import EngineConfig
+from pegainfer.core.engine.engine_config import EngineConfig
 from pegainfer.core.engine.frontend import Frontend
 from pegainfer.core.engine.metrics import Metrics
 from pegainfer.core.text.tokenizer import Tokenizer
@@ -28,8 +27,8 @@ def test_requests_past_the_waiting_slots_are_refused_while_others_are_prepared(
     tiny_model, monkeypatch
 ):
     model_config = json.loads((tiny_model / "config.json").read_text())
-    config = EngineConfig(tiny_model, tiny_model, model_config, "qwen3", torch.device("cpu"),
-                          torch.float32, 512, 16, 64, model_config["vocab_size"])  # fmt: skip
+    config = EngineConfig(tiny_model, tiny_model, model_config, "qwen3", "cpu",
+                          "float32", 512, 16, 64, model_config["vocab_size"])  # fmt: skip
     frontend = Frontend(tiny_model, Tokenizer.from_dir(tiny_model))
     # /tokenize's preparation waits at a gate: the stand-in for a slow one (a 10 MB prompt).
     gate = threading.Event()

@@ -8,9 +8,8 @@ import json
 
 import msgspec
 import pytest
-import torch
 
-from pegainfer.core.engine.core import EngineConfig
+from pegainfer.core.engine.engine_config import EngineConfig
 from pegainfer.core.engine.frontend import Frontend, RequestStream, StreamDelta
 from pegainfer.core.engine.loop import OutputSink, encode
 from pegainfer.core.engine.messages import (
@@ -60,8 +59,8 @@ def frontend(tiny_model) -> Frontend:
 @pytest.fixture(scope="module")
 def engine_config(tiny_model) -> EngineConfig:
     model_config = json.loads((tiny_model / "config.json").read_text())
-    return EngineConfig(tiny_model, tiny_model, model_config, "qwen3", torch.device("cpu"),
-                        torch.float32, 512, 16, 64, model_config["vocab_size"])  # fmt: skip
+    return EngineConfig(tiny_model, tiny_model, model_config, "qwen3", "cpu",
+                        "float32", 512, 16, 64, model_config["vocab_size"])  # fmt: skip
 
 
 def token_outputs(frontend: Frontend) -> list[RequestOutput]:

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
-from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe, RuntimeConfig
+from pegainfer.core.model import Model, ModelContext
+from pegainfer.core.model_line import ModelLine, Probe, RuntimeConfig
 from pegainfer.core.plugins import hookimpl
 from pegainfer.core.runner.forward_batch import ForwardBatch
 

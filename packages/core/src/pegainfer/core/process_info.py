@@ -1,11 +1,14 @@
 """A process's age and resident memory, read from /proc (Linux), and the start-up log built on
 them: each phase of an engine's start with the seconds since the process began and its RSS, so
-a slow or large start shows where the time and the memory went."""
+a slow or large start shows where the time and the memory went. Also how a child process
+follows its parent out (`exit_with_parent`)."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -65,3 +68,13 @@ class StartupLog:
         self._logger.info("start-up: %s at %.2f s, RSS %d MiB (%+d MiB)", phase,
                           since_process_start(), rss / _MIB, (rss - self._rss) / _MIB)  # fmt: skip
         self._rss = rss
+
+
+def exit_with_parent() -> None:
+    """End this process (a child started by multiprocessing) when its parent's ends, even while
+    its main thread is blocked in a collective or a device sync, where it would never see a
+    pipe close. Run it in a daemon thread."""
+    parent = mp.parent_process()
+    if parent is not None:
+        mp_connection.wait([parent.sentinel])
+        os._exit(1)

@@ -28,7 +28,7 @@ from pegainfer.core.kv.kv_events import KVEventsConfig
 from pegainfer.core.process_info import rss_bytes, since_process_start
 
 if TYPE_CHECKING:
-    from pegainfer.core.engine.core import EngineConfig
+    from pegainfer.core.engine.engine_config import EngineConfig
     from pegainfer.core.engine.frontend import Frontend
     from pegainfer.core.engine.process import EngineProcess
     from pegainfer.server.app import ServerState
@@ -304,7 +304,7 @@ async def serve(
                 {
                     "block_size": str(engine_config.block_size),
                     "num_gpu_blocks": str(engine_config.num_kv_blocks),
-                    "cache_dtype": str(engine_config.dtype).removeprefix("torch."),
+                    "cache_dtype": engine_config.dtype,
                 },
             )
             state.client = AsyncEngineClient(

@@ -61,7 +61,9 @@ from pegainfer.core.distributed.parallel import ParallelGroup
 from pegainfer.core.distributed.remote_ranks import RemoteRanks, connect_to_rank_0
 from pegainfer.core.engine.step_plan import StepPlan
 from pegainfer.core.errors import ConfigError, PegainferError
-from pegainfer.core.model_line import Model, ModelContext, RuntimeConfig
+from pegainfer.core.model import Model, ModelContext
+from pegainfer.core.model_line import RuntimeConfig
+from pegainfer.core.process_info import exit_with_parent
 from pegainfer.core.runner.forward_batch import Feed
 from pegainfer.core.runner.memory import KVSizing, fit_kv_blocks
 from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunner
@@ -198,7 +200,7 @@ def worker_main(rank: int, nodes: Nodes, spec: WorkerSpec, inbox: Connection | N
     host (None) the rank connects to rank 0 first, and its parent is that host's launcher
     (`worker_node`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
-    threading.Thread(target=_exit_with_parent, daemon=True, name="pegainfer-tp-parent").start()
+    threading.Thread(target=exit_with_parent, daemon=True, name="pegainfer-tp-parent").start()
     world = nodes.world
     device = rank_device(spec.device, nodes.local_rank(rank))
     if device.type == "cuda":
@@ -238,15 +240,6 @@ def worker_main(rank: int, nodes: Nodes, spec: WorkerSpec, inbox: Connection | N
         stopped.set()
     gc.collect()  # the graphs (captured collectives) before the communicator
     _leave()
-
-
-def _exit_with_parent() -> None:
-    """End the worker when rank 0's process ends, even while the worker is blocked in a
-    collective or a device sync (where it would never see the pipe close)."""
-    parent = mp.parent_process()
-    if parent is not None:
-        mp_connection.wait([parent.sentinel])
-        os._exit(1)
 
 
 def _serve(model: Model, device: torch.device, inbox: Connection) -> None:

@@ -24,6 +24,7 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.distributed.data_parallel import DataParallelScheduler, rank_plans
 from pegainfer.core.distributed.nodes import Nodes
 from pegainfer.core.distributed.tensor_parallel import TensorParallelRanks, WorkerSpec
+from pegainfer.core.engine.engine_config import EngineConfig
 from pegainfer.core.engine.frontend import RequestLimits
 from pegainfer.core.engine.messages import (
     EngineRequest,
@@ -49,7 +50,8 @@ from pegainfer.core.kv.kv_cache import (
 )
 from pegainfer.core.kv.kv_events import KVEventsConfig, ZmqEventPublisher
 from pegainfer.core.kv.kv_offload import HostMemoryTier
-from pegainfer.core.model_line import ModelContext, ModelLine, RuntimeConfig
+from pegainfer.core.model import ModelContext
+from pegainfer.core.model_line import ModelLine, RuntimeConfig
 from pegainfer.core.process_info import StartupLog
 from pegainfer.core.runner.cuda_graphs import graph_buckets
 from pegainfer.core.runner.forward_batch import Feed, ForwardBatch, LogitsRows, to_device
@@ -72,25 +74,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The arguments resolved against the model and the machine."""
-
-    model_dir: Path
-    tokenizer_dir: Path
-    model_config: dict[str, Any]
-    line: str
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    vocab_size: int
-    # The line's default chat answer parsers (registered names).
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -387,8 +370,8 @@ class EngineCore:
             tokenizer_dir=tokenizer_dir,
             model_config=context.config,
             line=line.name,
-            device=device,
-            dtype=context.dtype,
+            device=str(device),
+            dtype=str(context.dtype).removeprefix("torch."),
             max_model_len=max_model_len,
             block_size=args.block_size,
             num_kv_blocks=num_blocks,
@@ -572,7 +555,7 @@ class EngineCore:
         max_tokens = self.check_request(msg)
         generator = None
         if msg.params.seed is not None:
-            generator = torch.Generator(self.config.device).manual_seed(msg.params.seed)
+            generator = torch.Generator(self.runner.device).manual_seed(msg.params.seed)
         request = Request(msg, max_tokens, generator)
         if msg.params.structured is not None:
             request.grammar = self.grammars.matcher(msg.params.structured, msg.eos_token_ids)

@@ -25,7 +25,7 @@ from pegainfer.core.text.detokenizer import IncrementalDetokenizer
 from pegainfer.core.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pegainfer.core.engine.core import EngineConfig
+    from pegainfer.core.engine.engine_config import EngineConfig
     from pegainfer.core.engine.model_source import ModelSource
     from pegainfer.core.model_line import ModelLine
 

@@ -36,7 +36,8 @@ from pegainfer.core.engine.messages import (
 from pegainfer.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from pegainfer.core.engine.core import EngineConfig, EngineCore
+    from pegainfer.core.engine.core import EngineCore
+    from pegainfer.core.engine.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -8,15 +8,12 @@ torch, so the two import at once), which loads the model and answers with its re
 pipe and encoded `EngineOutputs` come back up another, the same bytes an `EngineLoop` thread
 exchanges, so the frontend drives either through `EngineConnection`.
 
-In the engine process the step loop runs in the main thread; a receiver thread moves
-messages from the pipe to the loop's inbox (the loop polls it while requests run and blocks
-on it when idle) and a writer thread writes outputs, so a step never waits on a full pipe
-(the server writes inbound messages from a thread too, so its event loop never waits either).
-The engine process ignores SIGINT (the server's Ctrl-C reaches the whole process group; the
-server decides how the engine stops) and ends at once if the server's process ends, however
-it ended. On the server's side a reader thread blocks in `recv_bytes` and hands each message
-to the sink; when the pipe closes without a shutdown, the engine process died (killed, a
-crash, a CUDA error) and every request in flight fails.
+This module is the server's side and what both sides write on the pipes; it imports no torch,
+which the server never does (the engine process's side: `process_main.py`). The server writes
+inbound messages from a thread (`PipeWriter`), so its event loop never waits on a full pipe,
+and a reader thread blocks in `recv_bytes` and hands each message to the sink; when the pipe
+closes without a shutdown, the engine process died (killed, a crash, a CUDA error) and every
+request in flight fails.
 """
 
 from __future__ import annotations
@@ -32,12 +29,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import msgspec
-import torch
 
 from pegainfer.core.args import EngineArgs
-from pegainfer.core.distributed.tensor_parallel import _exit_with_parent
-from pegainfer.core.engine.core import EngineConfig, EngineCore
-from pegainfer.core.engine.loop import EngineLoop, OutputSink, encode
+from pegainfer.core.engine.engine_config import EngineConfig
+from pegainfer.core.engine.loop import OutputSink, encode
 from pegainfer.core.engine.messages import EngineOutputs, Inbound, Shutdown
 from pegainfer.core.engine.spawn import SpawnedEngine, spawn_engine
 from pegainfer.core.errors import PegainferError
@@ -52,7 +47,7 @@ class EngineStartError(PegainferError):
     """The engine process could not load the model; the message is the reason it gave."""
 
 
-class _Started(msgspec.Struct, omit_defaults=True):
+class Started(msgspec.Struct, omit_defaults=True):
     """The engine process's first message: the resolved config, or why it did not start."""
 
     config: EngineConfig | None = None
@@ -60,7 +55,7 @@ class _Started(msgspec.Struct, omit_defaults=True):
 
 
 def _enc_hook(obj: object) -> object:
-    if isinstance(obj, (Path, torch.device, torch.dtype)):
+    if isinstance(obj, Path):
         return str(obj)
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
@@ -68,15 +63,15 @@ def _enc_hook(obj: object) -> object:
 def _dec_hook(kind: type, obj: object) -> object:
     if kind is Path:
         return Path(obj)  # type: ignore[arg-type]
-    if kind is torch.device:
-        return torch.device(obj)  # type: ignore[arg-type]
-    if kind is torch.dtype:
-        return getattr(torch, str(obj).removeprefix("torch."))
     raise NotImplementedError(f"cannot decode {kind}")
 
 
 _started_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_started_decoder = msgspec.msgpack.Decoder(_Started, dec_hook=_dec_hook)
+_started_decoder = msgspec.msgpack.Decoder(Started, dec_hook=_dec_hook)
+
+
+def encode_started(started: Started) -> bytes:
+    return _started_encoder.encode(started)
 
 
 class EngineProcess:
@@ -87,7 +82,7 @@ class EngineProcess:
     def __init__(self, spawned: SpawnedEngine) -> None:
         self.process = spawned.process
         self._inbox, self._outbox = spawned.inbox, spawned.outbox
-        self._writer = _PipeWriter(self._inbox)
+        self._writer = PipeWriter(self._inbox)
         self._reader: threading.Thread | None = None
         self._stopping = False
         self._dead = False
@@ -106,7 +101,7 @@ class EngineProcess:
             started = _started_decoder.decode(self._outbox.recv_bytes())
         except (EOFError, OSError):
             self.process.join(_TERMINATE_S)
-            started = _Started(error=f"the engine process {_ended(self.process)} while loading")
+            started = Started(error=f"the engine process {_ended(self.process)} while loading")
         if started.config is None:
             self.shutdown()
             self._dead = True
@@ -175,43 +170,7 @@ def _ended(process: mp.process.BaseProcess) -> str:
     return f"exited with code {code}"
 
 
-def engine_main(
-    args: EngineArgs, inbox: Connection, outbox: Connection, log_level: int, log_format: str
-) -> None:
-    """The engine process: load, report, then run the loop until Shutdown or the server ends."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=log_format)
-    threading.Thread(target=_exit_with_parent, daemon=True, name="pegainfer-parent").start()
-    try:
-        engine = EngineCore(args)
-    except Exception as exc:
-        if not isinstance(exc, PegainferError):
-            logger.exception("the engine failed to start")
-        outbox.send_bytes(_started_encoder.encode(_Started(error=str(exc) or repr(exc))))
-        raise SystemExit(1) from None
-    outbox.send_bytes(_started_encoder.encode(_Started(config=engine.config)))
-    loop = EngineLoop(engine)
-    threading.Thread(target=_receive, args=(inbox, loop), daemon=True,
-                     name="pegainfer-engine-receiver").start()  # fmt: skip
-    writer = _PipeWriter(outbox)
-    try:
-        loop.run(writer.put)
-    finally:
-        writer.close()
-    if loop.error is not None:
-        raise SystemExit(1)
-
-
-def _receive(inbox: Connection, loop: EngineLoop) -> None:
-    """Move inbound messages to the loop's inbox; the server closing the pipe stops it."""
-    try:
-        while True:
-            loop.send_encoded(inbox.recv_bytes())
-    except (EOFError, OSError):
-        loop.send(Shutdown())
-
-
-class _PipeWriter:
+class PipeWriter:
     """Writes messages to a pipe from a thread of its own, in order, so the caller never
     waits on a full pipe (the step loop, writing outputs to the server; the server's event
     loop, writing requests to the engine process). Once the other end is gone, messages are

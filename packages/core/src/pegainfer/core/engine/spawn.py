@@ -68,6 +68,6 @@ def _main(
 
     if args.load_format != "dummy":
         prefetch_checkpoint(args.model)
-    from pegainfer.core.engine.process import engine_main
+    from pegainfer.core.engine.process_main import engine_main
 
     engine_main(args, inbox, outbox, log_level, log_format)

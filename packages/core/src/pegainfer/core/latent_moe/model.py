@@ -45,7 +45,8 @@ from pegainfer.core.latent_moe.attention import LatentAttention
 from pegainfer.core.latent_moe.config import LatentMoEConfig
 from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.loading.weights import WeightTarget, empty_param
-from pegainfer.core.model_line import Model, RuntimeConfig
+from pegainfer.core.model import Model
+from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.moe.layer import DenseMLP, MLPFormats, MoE
 from pegainfer.core.ops.interleaved_rope import InterleavedRope
 from pegainfer.core.quant.scheme import QuantScheme

@@ -32,7 +32,7 @@ from pegainfer.core.quant.scheme import (
 )
 
 if TYPE_CHECKING:
-    from pegainfer.core.model_line import ModelContext
+    from pegainfer.core.model import ModelContext
 
 INDEX_FILE = "model.safetensors.index.json"
 #: Dtypes only a quantized layer's parameters have (float8 weights, packed INT4 words).
@@ -367,7 +367,7 @@ def build_and_load(make: Callable[[], M], ctx: ModelContext) -> M:
     else:
         load_weights(dict(model.named_parameters()), ctx.model_dir, model.checkpoint_name_map,
                      scheme=scheme)  # fmt: skip
-    from pegainfer.core.model_line import Model  # model_line imports this module's importers
+    from pegainfer.core.model import Model  # it imports (through quant.linear) this module
 
     if isinstance(model, Model):
         model.after_loading()

@@ -25,7 +25,7 @@ from pegainfer.core.kv.kv_cache import (
     blocks_for_memory,
     bytes_per_block,
 )
-from pegainfer.core.model_line import Model
+from pegainfer.core.model import Model
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.core.sampling.sampler import SamplingBatch, sample
 

@@ -17,7 +17,7 @@ import torch
 
 from pegainfer.core.engine.step_plan import StepPlan
 from pegainfer.core.kv.kv_cache import KVCache
-from pegainfer.core.model_line import Model
+from pegainfer.core.model import Model
 from pegainfer.core.runner.cuda_graphs import DecodeGraphs
 from pegainfer.core.runner.forward_batch import Feed, ForwardBatch
 from pegainfer.core.runner.piecewise_graphs import MixedGraphs

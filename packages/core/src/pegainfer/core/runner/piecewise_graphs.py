@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pegainfer.core.kv.kv_cache import KVCache
-from pegainfer.core.model_line import Model
+from pegainfer.core.model import Model
 from pegainfer.core.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)

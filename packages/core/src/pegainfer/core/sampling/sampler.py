@@ -20,7 +20,7 @@ import torch
 from pegainfer.core.engine.messages import TokenLogprob
 from pegainfer.core.engine.request import Request
 from pegainfer.core.runner.forward_batch import to_device, to_device_array
-from pegainfer.core.sampling.structured_output import mask_logits
+from pegainfer.core.sampling.grammar_mask import mask_logits
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,13 @@ Lark or GBNF grammar, or a list of choices); llguidance compiles it against the 
 tokenizer into a matcher that the engine advances with every token the request commits. Each
 step, the matchers of the constrained rows write a bitmask of the tokens allowed next, which
 the sampler applies to the logits before anything else, so constrained and free rows share
-the batch. A constrained request needs its previous token on the host before its next mask,
-so the engine brings pending tokens home first under async scheduling.
+the batch (`grammar_mask.py`, the step's side). A constrained request needs its previous token
+on the host before its next mask, so the engine brings pending tokens home first under async
+scheduling.
+
+This module needs no torch: the HTTP server compiles and checks grammars with it too (on its
+frontend threads, before a request is sent), and that process never imports torch.
+llguidance compiles in native code outside the GIL, so neither process's loop waits on it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from functools import cache, cached_property, lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
-import torch
 
 from pegainfer.core.errors import InvalidRequestError
 
@@ -161,7 +165,7 @@ _COMPILED = 128  # compiled grammars kept for later requests
 
 
 @cache
-def _mask_executor() -> llguidance.LLExecutor:
+def mask_executor() -> llguidance.LLExecutor:
     """llguidance's thread pool (80% of the CPUs, up to 32): a batch's masks are computed and
     its sampled tokens consumed in parallel, outside the GIL."""
     import llguidance
@@ -173,29 +177,4 @@ def consume_tokens(pairs: list[tuple[llguidance.LLMatcher, int]]) -> None:
     """Advance each matcher by its sampled token, in parallel. A token the grammar forbids
     (it cannot happen: the mask excluded it) leaves the matcher in its error state."""
     if pairs:
-        _mask_executor().consume_token_par(pairs)
-
-
-def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list) -> torch.Tensor:
-    """Logits [B, V] with the tokens each matcher forbids at `rows` set to -inf (a copy).
-
-    Called while the step's forward runs on the GPU: the masks are computed on the host in
-    parallel and reach the device by non-blocking copies, so the host never waits for the
-    forward here."""
-    vocab = logits.shape[1]
-    words = (vocab + 31) // 32
-    pinned = logits.is_cuda
-    bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=pinned)
-    _mask_executor().unsafe_compute_mask_ptr(
-        [(matcher, i) for i, matcher in enumerate(matchers)], bitmask.data_ptr(), words * 4,
-        len(rows),
-    )  # fmt: skip
-    index = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned)
-    if pinned:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-        index = index.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    masked = logits.clone()
-    masked[index] = masked[index].masked_fill(~allowed, -torch.inf)
-    return masked
+        mask_executor().consume_token_par(pairs)

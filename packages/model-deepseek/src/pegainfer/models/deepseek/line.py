@@ -4,16 +4,20 @@ on core's latent-attention MoE decoder."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.latent_moe.config import LatentMoEConfig
-from pegainfer.core.loading.weights import build_and_load
-from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
+from pegainfer.core.model_line import ModelLine, Probe
+
+if TYPE_CHECKING:
+    from pegainfer.core.latent_moe.config import LatentMoEConfig
+    from pegainfer.core.model import Model, ModelContext
 
 
 def deepseek_v2_config(config: dict[str, Any]) -> LatentMoEConfig:
     """DeepSeek-V2's config: softmax routing (greedy or group-limited) only."""
+    from pegainfer.core.latent_moe.config import LatentMoEConfig
+
     cfg = LatentMoEConfig.from_dict(config)
     if cfg.routing.scoring != "softmax":
         raise ConfigError("DeepSeek-V2 routes by softmax scores (scoring_func 'softmax')")
@@ -33,6 +37,7 @@ class DeepseekLine(ModelLine):
 
     def build_model(self, ctx: ModelContext) -> Model:
         from pegainfer.core.latent_moe.model import LatentMoEForCausalLM
+        from pegainfer.core.loading.weights import build_and_load
 
         cfg = deepseek_v2_config(ctx.config)
         return build_and_load(

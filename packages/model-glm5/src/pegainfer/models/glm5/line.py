@@ -4,11 +4,12 @@ core's latent-attention MoE decoder with DeepSeek sparse attention."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pegainfer.core.loading.weights import build_and_load
-from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
-from pegainfer.core.quant.scheme import parse_quantization
+from pegainfer.core.model_line import ModelLine, Probe
+
+if TYPE_CHECKING:
+    from pegainfer.core.model import Model, ModelContext
 
 
 class Glm5Line(ModelLine):
@@ -25,6 +26,8 @@ class Glm5Line(ModelLine):
         return Probe.reject(f"model_type is {model_type!r}, not 'glm_moe_dsa'")
 
     def build_model(self, ctx: ModelContext) -> Model:
+        from pegainfer.core.loading.weights import build_and_load
+        from pegainfer.core.quant.scheme import parse_quantization
         from pegainfer.models.glm5.config import Glm5Config
         from pegainfer.models.glm5.model import Glm5ForCausalLM
 

@@ -7,10 +7,12 @@ their text model's config sits under `text_config` and its weights under `langua
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.latent_moe.config import LatentMoEConfig
+
+if TYPE_CHECKING:  # it imports torch: the probe, which the HTTP server runs, needs none
+    from pegainfer.core.latent_moe.config import LatentMoEConfig
 
 TEXT_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 VISION_LANGUAGE_MODEL_TYPE = "kimi_k25"
@@ -51,6 +53,8 @@ class KimiCheckpoint:
         return config | {"quantization_config": nested}
 
     def model_config(self) -> LatentMoEConfig:
+        from pegainfer.core.latent_moe.config import LatentMoEConfig
+
         written = {key: value for key, value in self.text_config.items() if value is not None}
         cfg = LatentMoEConfig.from_dict(V3_ROUTING | written)
         if cfg.routing.method != "noaux_tc":

@@ -6,15 +6,16 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.loading.weights import build_and_load
-from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
-from pegainfer.core.quant.scheme import parse_quantization
+from pegainfer.core.model_line import ModelLine, Probe
 from pegainfer.core.text.tokenizer import Tokenizer, chat_template_sources
 from pegainfer.models.kimi_k2.config import KimiCheckpoint
 from pegainfer.models.kimi_k2.tokenizer import TIKTOKEN_FILE, load_kimi_tokenizer
+
+if TYPE_CHECKING:
+    from pegainfer.core.model import Model, ModelContext
 
 _JINJA_COMMENT = re.compile(r"\{#.*?#\}", re.DOTALL)
 
@@ -44,6 +45,8 @@ class KimiK2Line(ModelLine):
         return Probe.claim()
 
     def build_model(self, ctx: ModelContext) -> Model:
+        from pegainfer.core.loading.weights import build_and_load
+        from pegainfer.core.quant.scheme import parse_quantization
         from pegainfer.models.kimi_k2.model import KimiK2ForCausalLM
 
         checkpoint = KimiCheckpoint.of(ctx.config)

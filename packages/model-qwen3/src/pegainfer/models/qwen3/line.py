@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pegainfer.core.loading.weights import build_and_load
-from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
-from pegainfer.core.quant.scheme import parse_quantization
-from pegainfer.models.qwen3.config import Qwen3Config
+from pegainfer.core.model_line import ModelLine, Probe
+
+if TYPE_CHECKING:
+    from pegainfer.core.model import Model, ModelContext
 
 
 class Qwen3Line(ModelLine):
@@ -25,6 +25,9 @@ class Qwen3Line(ModelLine):
         return Probe.reject(f"model_type is {model_type!r}, not 'qwen3'")
 
     def build_model(self, ctx: ModelContext) -> Model:
+        from pegainfer.core.loading.weights import build_and_load
+        from pegainfer.core.quant.scheme import parse_quantization
+        from pegainfer.models.qwen3.config import Qwen3Config
         from pegainfer.models.qwen3.model import Qwen3ForCausalLM
 
         cfg = Qwen3Config.from_dict(ctx.config)

@@ -28,7 +28,8 @@ from pegainfer.core.errors import ConfigError
 from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.loading.weights import WeightTarget, empty_param
-from pegainfer.core.model_line import Model, RuntimeConfig
+from pegainfer.core.model import Model
+from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops import rms_norm
 from pegainfer.core.ops.paged_attention import write_kv
 from pegainfer.core.ops.rotary import RotaryEmbedding

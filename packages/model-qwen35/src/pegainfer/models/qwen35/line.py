@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.loading.weights import build_and_load
-from pegainfer.core.model_line import Model, ModelContext, ModelLine, Probe
-from pegainfer.core.runner.model_runner import ModelRunner
-from pegainfer.core.speculative.drafter import Drafter
-from pegainfer.models.qwen35.config import Qwen35Config
+from pegainfer.core.model_line import ModelLine, Probe
+
+if TYPE_CHECKING:
+    from pegainfer.core.model import Model, ModelContext
+    from pegainfer.core.runner.model_runner import ModelRunner
+    from pegainfer.core.speculative.drafter import Drafter
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
@@ -28,6 +29,8 @@ class Qwen35Line(ModelLine):
         return Probe.reject(f"model_type is {model_type!r}, not one of {MODEL_TYPES}")
 
     def build_model(self, ctx: ModelContext) -> Model:
+        from pegainfer.core.loading.weights import build_and_load
+        from pegainfer.models.qwen35.config import Qwen35Config
         from pegainfer.models.qwen35.model import Qwen35ForCausalLM
 
         cfg = Qwen35Config.from_dict(ctx.config)
@@ -37,6 +40,7 @@ class Qwen35Line(ModelLine):
         self, model: Model, ctx: ModelContext, num_tokens: int, runner: ModelRunner
     ) -> Drafter | None:
         """The checkpoint's MTP layer (`mtp.*`), loaded beside the model."""
+        from pegainfer.core.loading.weights import build_and_load
         from pegainfer.models.qwen35.mtp import MTPDrafter, Qwen35MTP
 
         cfg = model.cfg

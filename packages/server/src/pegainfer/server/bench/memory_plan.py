@@ -86,7 +86,7 @@ def build_on_meta(config: dict[str, Any], layout: Layout) -> torch.nn.Module:
     """Rank 0's model of `config` (a latent-MoE checkpoint's config.json) under `layout`, on
     the meta device, built by the line that claims the config."""
     from pegainfer.core.distributed.parallel import ParallelGroup
-    from pegainfer.core.model_line import ModelContext
+    from pegainfer.core.model import ModelContext
     from pegainfer.core.plugins import detect_model_line, model_lines
 
     line = detect_model_line(config, model_lines())
