@@ -115,7 +115,75 @@ def rank_bytes(config: dict[str, Any], layout: Layout) -> RankBytes:
     return RankBytes(weights, kv)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What a GPU gives the KV cache, as the engine sizes it (`core.runner.memory`): its memory
+    times `--gpu-memory-utilization`, less the weights, what a step needs at its peak (measured
+    by a profiling step at start; estimated here), the CUDA context and communicators, and the
+    engine's fixed reserve for CUDA graphs."""
+
+    gpu_gib: float = 139.8  # an H200 as torch sees it (docs/benchmarks/2026-11-30-qwen3-h200)
+    utilization: float = 0.90
+    step_peak_gib: float = 4.0
+    context_gib: float = 1.5
+    graph_reserve_gib: float = 1.0
+
+    def kv_bytes(self, weights: int) -> int:
+        held = self.step_peak_gib + self.context_gib + self.graph_reserve_gib
+        return int((self.gpu_gib * self.utilization - held) * 2**30) - weights
+
+
+# The layouts docs/full-size-8xh200.md plans (its tables: `markdown_tables`).
+DOC_PLANS: tuple[tuple[str, Layout], ...] = (
+    ("kimi-k2-int4", Layout(data_parallel=8)),
+    ("kimi-k2-int4", Layout(tensor_parallel=8)),
+    ("kimi-k2-fp8", Layout(data_parallel=8)),
+    ("kimi-k2-fp8", Layout(tensor_parallel=8)),
+    ("kimi-k2-fp8", Layout(data_parallel=16)),
+    ("glm5-fp8", Layout(data_parallel=8)),
+    ("glm5-fp8", Layout(tensor_parallel=8)),
+)
+LONG_CONTEXT = 131072
+
+
+def markdown_tables(
+    plans: tuple[tuple[str, Layout], ...], budgets: tuple[Budget, ...]
+) -> tuple[str, str]:
+    """Two tables: each plan's weights per GPU by group (GB), and its KV room under each of
+    `budgets` (in the system: data-parallel ranks hold their own sequences, tensor-parallel
+    ones every sequence's whole latent)."""
+    sized = [(shape, layout, rank_bytes(shape_config(shape), layout)) for shape, layout in plans]
+    groups = list(dict(GROUPS))
+    head = ["checkpoint", "layout", *groups, "total GB", "total GiB"]
+    weights = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape, layout, plan in sized:
+        cells = [f"{plan.weights[group] / 1e9:.2f}" for group in groups]
+        weights.append(f"| {shape} | {layout.describe()} | " + " | ".join(cells)
+                       + f" | {plan.total / 1e9:.1f} | {plan.total / 2**30:.1f} |")  # fmt: skip
+    head = ["checkpoint", "layout", "KV bytes per token per GPU"]
+    for budget in budgets:
+        head += [f"KV GiB per GPU at {budget.utilization:.2f}", "tokens per GPU",
+                 f"{LONG_CONTEXT // 1024}k sequences in all"]  # fmt: skip
+    kv = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape, layout, plan in sized:
+        cells = [shape, layout.describe(), f"{plan.kv_per_token:,}"]
+        for budget in budgets:
+            room = budget.kv_bytes(plan.total)
+            tokens = max(room, 0) // plan.kv_per_token
+            cells += [f"{room / 2**30:.1f}", f"{tokens:,}",
+                      f"{tokens * layout.data_parallel / LONG_CONTEXT:.1f}"]  # fmt: skip
+        kv.append("| " + " | ".join(cells) + " |")
+    return "\n".join(weights) + "\n", "\n".join(kv) + "\n"
+
+
+# The budgets the doc's KV table uses: the engine's default utilization and a tighter one.
+DOC_BUDGETS = (Budget(utilization=0.90), Budget(utilization=0.95))
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.markdown:
+        print(*markdown_tables(DOC_PLANS, DOC_BUDGETS), sep="\n", end="")
+        return {}
     cuts = {"num_hidden_layers": args.num_layers, "n_routed_experts": args.num_experts}
     config = shape_config(args.shape, {key: n for key, n in cuts.items() if n is not None})
     layout = Layout(args.data_parallel_size, args.tensor_parallel_size, True)
@@ -132,7 +200,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_parser(subparsers: Any) -> None:
     parser = subcommand(subparsers, "memory-plan", __doc__)
-    parser.add_argument("shape", choices=sorted(LATENT_MOE_SHAPES), help="which checkpoint")
+    parser.add_argument(
+        "shape", nargs="?", default="kimi-k2-int4", choices=sorted(LATENT_MOE_SHAPES),
+        help="which checkpoint (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
@@ -141,4 +212,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--num-experts", type=int, default=None, help="routed experts (default: the shape's)"
     )
+    parser.add_argument(
+        "--markdown", action="store_true",
+        help="print docs/full-size-8xh200.md's tables (every planned layout) instead",
+    )  # fmt: skip
     parser.set_defaults(run=main)
