@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from pegainfer.core.attention.paged import PagedIndex
@@ -61,3 +62,20 @@ def test_paged_index_lists_each_sequences_pages_and_last_page_fill(monkeypatch):
         assert index.last_page_len.tolist() == [
             n - (p - 1) * 16 for n, p in zip(batch.seq_lens_cpu, pages, strict=True)
         ]
+
+
+@pytest.mark.parametrize("lengths", [[1], [3], [1, 1, 5], [2, 7, 1], [16, 1, 1]])
+def test_every_field_starts_on_16_bytes_for_any_step_shape(lengths):
+    """Triton specializes kernels on each pointer's 16-byte alignment: fields packed back to
+    back at step-dependent offsets would compile kernels while serving."""
+    chunks = [[5] * n for n in lengths]
+    batch = ForwardBatch.build(chunks, [0] * len(chunks), [[i] for i in range(len(chunks))],
+                               [True] * len(chunks), 16, torch.device("cpu"),
+                               state_slots=list(range(len(chunks))),
+                               every_row=[i == 0 for i in range(len(chunks))])  # fmt: skip
+    fields = [batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices,
+              batch.state_slots, batch.sample_rows]  # fmt: skip
+    base = batch.input_ids.data_ptr()
+    assert all((f.data_ptr() - base) % 16 == 0 for f in fields)
+    assert batch.input_ids.tolist() == [5] * sum(lengths)
+    assert batch.state_slots.tolist() == list(range(len(chunks)))

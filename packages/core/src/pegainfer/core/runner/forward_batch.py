@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from pegainfer.core.engine.step_plan import StepPlan
 
 
+#: int64 elements per 16 bytes.
+_ALIGN = 2
+
+
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints as an int64 tensor on `device`, without waiting for the device: on CUDA
     through pinned memory and a non-blocking copy (a plain `torch.tensor(..., device=cuda)`
@@ -32,6 +36,24 @@ def to_device_array(host: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _packed_to_device(
+    parts: list[np.ndarray | list[int]], device: torch.device
+) -> list[torch.Tensor]:
+    """int64 arrays on the device through one host array and one (pinned, asynchronous) copy,
+    each starting 16 bytes into it: Triton specializes a kernel on each pointer argument's
+    16-byte alignment, so fields packed back to back would compile a kernel once per parity
+    pattern of the step's sizes, while requests wait (the warm-up cannot cover them all)."""
+    spans, offset = [], 0
+    for part in parts:
+        spans.append((offset, len(part)))
+        offset += -(-len(part) // _ALIGN) * _ALIGN
+    host = np.empty(offset, dtype=np.int64)
+    for (start, length), part in zip(spans, parts, strict=True):
+        host[start : start + length] = part
+    packed = to_device_array(host, device)
+    return [packed[start : start + length] for start, length in spans]
 
 
 def token_slots(
@@ -182,16 +204,11 @@ class ForwardBatch:
         seq_lens = [start + n for start, n in zip(start_positions, lengths, strict=True)]
         positions, slots = token_slots(start_positions, lengths, block_tables, block_size)
         tokens = len(positions)
-        # One host array, one (pinned, asynchronous) copy to the device.
-        host = np.empty(3 * tokens + len(logits_indices) + len(state_slots) + len(sample_rows),
-                        dtype=np.int64)  # fmt: skip
-        host[:tokens] = np.fromiter(chain.from_iterable(token_chunks), np.int64, tokens)
-        host[tokens : 2 * tokens] = positions
-        host[2 * tokens : 3 * tokens] = slots
-        host[3 * tokens :] = logits_indices + state_slots + sample_rows
-        fields = to_device_array(host, device).split(
-            [tokens, tokens, tokens, len(logits_indices), len(state_slots), len(sample_rows)]
-        )
+        fields = _packed_to_device(
+            [np.fromiter(chain.from_iterable(token_chunks), np.int64, tokens), positions, slots,
+             logits_indices, state_slots, sample_rows],
+            device,
+        )  # fmt: skip
         query_start = np.zeros(len(lengths) + 1, dtype=np.int32)
         np.cumsum(lengths, out=query_start[1:])
         return cls(

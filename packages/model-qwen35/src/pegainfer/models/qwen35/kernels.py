@@ -22,6 +22,13 @@ state in place in its slot of the layer's state arena.
 The gates are computed inside the kernels from the projection's raw `a` and `b` columns:
 `g = -exp(A_log) softplus(a + dt_bias)` and `beta = sigmoid(b)` (rounded to the input dtype, as
 transformers computes it), and q and k are L2-normalised in float32.
+
+The per-step index arrays (slots, sequence bounds, chunk bounds, tiles, snapshots) are declared
+`do_not_specialize_on_alignment`: they are often views at a step-dependent offset (the decodes'
+slots, then the prompts'), and Triton would otherwise compile each kernel once more for every
+pattern of their 16-byte alignment, in the middle of serving (21 such compiles, 1-2 s each,
+stalled the first 40 requests of a 16-stream load on an H200). They are read once per program,
+so the vectorisation alignment buys is worth nothing there.
 """
 
 from __future__ import annotations
@@ -65,7 +72,16 @@ def _gates(ab_row, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, mask):
 CONV_TILE = 32
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "slots_ptr",
+        "bounds_ptr",
+        "tile_seq_ptr",
+        "tile_row_ptr",
+        "snap_offset_ptr",
+        "snap_slot_ptr",
+    ]
+)
 def _causal_conv1d_kernel(
     x_ptr,
     w_ptr,
@@ -188,7 +204,7 @@ def conv_tiles(bounds: list[int]) -> tuple[list[int], list[int]]:
     return seqs, rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr", "rows_ptr"])
 def _recurrent_kernel(
     qkv_ptr,
     ab_ptr,
@@ -381,7 +397,7 @@ def _system_block(ki, kj, scale_i, scale_j, ci, cj, DIAG: tl.constexpr, SPLIT: t
     return _decayed(kk, ci, cj, DIAG, BC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["chunk_start_ptr", "chunk_end_ptr"])
 def _chunk_intra_kernel(
     qkv_ptr,
     ab_ptr,
@@ -494,7 +510,15 @@ def _chunk_keys(qkv_ptr, rows, rmask, stride_qkv, col, DK: tl.constexpr):
     return x, tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "slots_ptr",
+        "seq_chunks_ptr",
+        "chunk_start_ptr",
+        "chunk_end_ptr",
+        "chunk_snapshot_ptr",
+    ]
+)
 def _chunk_state_kernel(
     qkv_ptr,
     w_ptr,
@@ -555,7 +579,7 @@ def _chunk_state_kernel(
     tl.store(state_ptr + slot * stride_state_slot + offsets, s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["chunk_start_ptr", "chunk_end_ptr"])
 def _chunk_output_kernel(
     qkv_ptr,
     c_ptr,
