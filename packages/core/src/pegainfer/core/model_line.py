@@ -20,6 +20,7 @@ from pegainfer.core.text.tokenizer import TOKENIZER_FILE, Tokenizer
 
 if TYPE_CHECKING:
     from pegainfer.core.engine.scheduler import Scheduler
+    from pegainfer.core.kernels.precompile import KernelPlan, StepBounds
     from pegainfer.core.model import Model, ModelContext
     from pegainfer.core.runner.model_runner import ModelRunner
     from pegainfer.core.speculative.drafter import Drafter
@@ -111,6 +112,15 @@ class ModelLine(ABC):
         (`speculative/drafter.py`); None when the line has none. Called before the model's
         arenas are read (the drafter's may join them) and before `runner` allocates them."""
         return None
+
+    def kernel_plan(self, ctx: ModelContext, bounds: StepBounds) -> KernelPlan:
+        """What the steps of `ctx`'s model within `bounds` compile on CUDA: its Triton launches
+        (`record_launches` over its launchers on meta tensors) and its attention backend's
+        factory (`core/kernels/precompile.py`). The engine compiles them while the weights
+        load; a GPU test checks that the steps launch nothing else. Must not read weights."""
+        from pegainfer.core.kernels.precompile import KernelPlan
+
+        return KernelPlan()
 
     def scheduler_class(self) -> type[Scheduler]:
         """The scheduler this family runs under; core's default suits dense attention."""

@@ -42,6 +42,7 @@ from pegainfer.core.engine.scheduler import (
 )
 from pegainfer.core.engine.step_plan import StepPlan
 from pegainfer.core.errors import ConfigError, InvalidRequestError, ModelLineError
+from pegainfer.core.kernels.precompile import Precompile, StepBounds
 from pegainfer.core.kv.block_manager import BlockManager
 from pegainfer.core.kv.kv_cache import (
     ArenaSpec,
@@ -229,6 +230,12 @@ class EngineCore:
         )
         logger.info("Loading %s with model line %r on %s in %s", source.model_dir,
                     source.line.name, spec.device, spec.dtype)  # fmt: skip
+        # The kernels compile (spawned processes, a thread) while the weights load.
+        self.precompile: Precompile | None = (
+            _start_precompile(args, source.line, spec.context(device, 0, nodes.world))
+            if device.type == "cuda"
+            else None
+        )
         self.ranks: TensorParallelRanks | None = None
         self.runner: ModelRunner | None = None  # once the model is built
         #: One KV-event publisher per attention rank, with its rank's block manager.
@@ -297,6 +304,8 @@ class EngineCore:
             self.ranks.init_runtime(runtime)
         if self._backend_import is not None:
             self._backend_import.join()
+        if self.precompile is not None:  # before any step compiles, or memory is measured
+            self._startup.mark(f"kernels compiled: {self.precompile.wait()}")
         self.model.init_runtime(runtime)
         self.generator = torch.Generator(device).manual_seed(args.seed)
         # Before the arenas are read: a line's drafter may bring its own (an MTP layer's KV).
@@ -499,6 +508,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the parallel workers, if any, and the KV-event publishers (the engine is
         unusable afterwards)."""
+        if self.precompile is not None:  # a start that failed while compiling
+            self.precompile.cancel()
         for publisher, _ in self.kv_events:
             publisher.close()
         self.kv_events = []
@@ -869,6 +880,15 @@ class EngineCore:
             error=request.error,
             timing=timing,
         )
+
+
+def _start_precompile(args: EngineArgs, line: ModelLine, context: ModelContext) -> Precompile:
+    """Start compiling what the engine's steps will launch (`kernels/precompile.py`)."""
+    buckets = () if args.enforce_eager else graph_buckets(args.max_num_seqs)
+    bounds = StepBounds(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, buckets,
+                        args.decode_attention_tensor_cores)  # fmt: skip
+    return Precompile.start(partial(line.kernel_plan, context, bounds), args.block_size,
+                            context.device)  # fmt: skip
 
 
 def _import_in_background(module: str) -> threading.Thread:

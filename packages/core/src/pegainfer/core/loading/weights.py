@@ -342,15 +342,22 @@ def _check_complete(
         )
 
 
-def build_and_load(make: Callable[[], M], ctx: ModelContext) -> M:
-    """A line's model: built by `make` on the meta device in `ctx.dtype` (no memory, no random
-    init; parameters made with a dtype of their own keep it: a quantized layer's, a router's
-    float32 correction bias), given storage on `ctx.device`, then filled from the checkpoint
-    through the model's `checkpoint_name_map` (quantized layers as `quantization_config`
-    says: `core.quant`), or with random values in place (`ctx.random_weights`)."""
+def meta_model(make: Callable[[], M], dtype: torch.dtype) -> M:
+    """The model `make` builds, on the meta device in `dtype` (no memory, no random init;
+    parameters made with a dtype of their own keep it: a quantized layer's, a router's
+    float32 correction bias)."""
     with torch.device("meta"):
-        model = make().to(ctx.dtype)
+        model = make().to(dtype)
     _restore_kept_dtypes(model)
+    return model
+
+
+def build_and_load(make: Callable[[], M], ctx: ModelContext) -> M:
+    """A line's model: built by `make` on the meta device (`meta_model`), given storage on
+    `ctx.device`, then filled from the checkpoint through the model's `checkpoint_name_map`
+    (quantized layers as `quantization_config` says: `core.quant`), or with random values in
+    place (`ctx.random_weights`)."""
+    model = meta_model(make, ctx.dtype)
     scheme = parse_quantization(ctx.config)
     params = dict(model.named_parameters())
     if scheme is not None and not any(p.dtype in QUANTIZED_DTYPES for p in params.values()):

@@ -25,7 +25,9 @@ def _rms_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.c
     return (a1 + b1).to(DTYPE), (a2 + b2).to(DTYPE)
 
 
-@triton.jit
+# Per-row indices, read one scalar at a time: their alignment changes no code, so a
+# step's packing of them (slices at any offset) does not compile another variant.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slots_ptr"])
 def _qk_norm_rope_kv_kernel(
     qkv_ptr,
     q_norm_ptr,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pegainfer.core.model_line import ModelLine, Probe
 
 if TYPE_CHECKING:
+    from pegainfer.core.kernels.precompile import KernelPlan, StepBounds
     from pegainfer.core.model import Model, ModelContext
 
 
@@ -33,6 +35,19 @@ class Qwen3Line(ModelLine):
         cfg = Qwen3Config.from_dict(ctx.config)
         scheme = parse_quantization(ctx.config)
         return build_and_load(lambda: Qwen3ForCausalLM(cfg, ctx.parallel, scheme), ctx)
+
+    def kernel_plan(self, ctx: ModelContext, bounds: StepBounds) -> KernelPlan:
+        from pegainfer.core.loading.weights import meta_model
+        from pegainfer.core.quant.scheme import parse_quantization
+        from pegainfer.core.runner.meta_steps import paged_kernel_plan
+        from pegainfer.models.qwen3.config import Qwen3Config
+        from pegainfer.models.qwen3.model import Qwen3ForCausalLM
+
+        # One layer launches what every layer does.
+        cfg = replace(Qwen3Config.from_dict(ctx.config), num_layers=1)
+        scheme = parse_quantization(ctx.config)
+        model = meta_model(lambda: Qwen3ForCausalLM(cfg, ctx.parallel, scheme), ctx.dtype)
+        return paged_kernel_plan(model, ctx.dtype, ctx.device, bounds)
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any

@@ -158,16 +158,28 @@ class Qwen3ForCausalLM(Model):
         block = (2, block_size, cfg.num_kv_heads, cfg.head_dim)
         return [ArenaSpec("kv", cfg.num_layers, block, self.embed_tokens.dtype)]
 
+    @property
+    def attention_shape(self) -> GQAShape:
+        return GQAShape(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
+
     def init_runtime(self, runtime: RuntimeConfig) -> None:
-        cfg = self.cfg
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, runtime.max_model_len, device)
-        shape = GQAShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.attn = make_paged_attention(
-            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets,
+        attn = make_paged_attention(
+            self.attention_shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets,
             runtime.decode_attention_tensor_cores,
         )  # fmt: skip
-        self.ops = _ops(device)
+        self.set_up_steps(runtime, attn, device)
+
+    def set_up_steps(
+        self, runtime: RuntimeConfig, attn: PagedAttention, kernels: torch.device
+    ) -> None:
+        """Rotary tables (on the model's device), `attn`, and the ops of the `kernels` device
+        type (CUDA's on a meta model: `kernel_plan`)."""
+        cfg = self.cfg
+        device = self.embed_tokens.device
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, runtime.max_model_len, device)
+        self.attn = attn
+        self.ops = _ops(kernels)
 
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"

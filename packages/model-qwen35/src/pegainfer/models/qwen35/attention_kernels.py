@@ -34,7 +34,9 @@ def _norm_rope(src, w_ptr, cos, sin, d, partner, sign, rotated, eps, HEAD_DIM: t
     return tl.where(rotated, (a + b).to(DTYPE), y.to(DTYPE))
 
 
-@triton.jit
+# Per-row indices, read one scalar at a time: their alignment changes no code, so a
+# step's packing of them (slices at any offset) does not compile another variant.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slots_ptr"])
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, q_out_ptr,
     kv_ptr, stride_qkv, stride_q_out, stride_cos, stride_kv_block, stride_kv_kind,

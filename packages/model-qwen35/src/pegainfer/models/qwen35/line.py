@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -9,6 +10,7 @@ from pegainfer.core.errors import ConfigError
 from pegainfer.core.model_line import ModelLine, Probe
 
 if TYPE_CHECKING:
+    from pegainfer.core.kernels.precompile import KernelPlan, StepBounds
     from pegainfer.core.model import Model, ModelContext
     from pegainfer.core.runner.model_runner import ModelRunner
     from pegainfer.core.speculative.drafter import Drafter
@@ -54,6 +56,18 @@ class Qwen35Line(ModelLine):
         mtp = build_and_load(lambda: Qwen35MTP(cfg, model), ctx)
         model.attach_mtp(mtp)
         return MTPDrafter(model, mtp, runner, num_tokens)
+
+    def kernel_plan(self, ctx: ModelContext, bounds: StepBounds) -> KernelPlan:
+        from pegainfer.core.loading.weights import meta_model
+        from pegainfer.core.runner.meta_steps import paged_kernel_plan
+        from pegainfer.models.qwen35.config import Qwen35Config
+        from pegainfer.models.qwen35.model import Qwen35ForCausalLM
+
+        # A layer of each kind launches what every layer of that kind does.
+        cfg = Qwen35Config.from_dict(ctx.config)
+        cfg = replace(cfg, layer_types=tuple(dict.fromkeys(cfg.layer_types)))
+        model = meta_model(lambda: Qwen35ForCausalLM(cfg, ctx.parallel), ctx.dtype)
+        return paged_kernel_plan(model, ctx.dtype, ctx.device, bounds)
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any

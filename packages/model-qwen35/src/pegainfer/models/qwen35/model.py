@@ -137,10 +137,12 @@ class GatedAttention(nn.Module):
         kv_layer: torch.Tensor,
         rope: RotaryEmbedding,
         attn: PagedAttention,
+        kernels: bool,
     ) -> torch.Tensor:
+        """`kernels`: through the CUDA kernels (else the torch reference)."""
         cfg, tokens = self.cfg, x.shape[0]
         qkv = F.linear(x, self.qkv_proj)
-        if qkv.is_cuda:  # the same function in two fused kernels around FlashInfer
+        if kernels:  # the same function in two fused kernels around FlashInfer
             fused = _fused_attention()
             q = fused.qk_norm_rope_kv_write(
                 qkv, self.q_norm, self.k_norm, rope.cos, rope.sin, batch.positions,
@@ -357,6 +359,7 @@ class Qwen35ForCausalLM(Model):
         self.rope: RotaryEmbedding | None = None
         self.attn: PagedAttention | None = None
         self.ops: LayerOps | None = None
+        self._kernels = False  # whether steps run the CUDA kernels (`set_up_steps`)
         self._decode_bounds: torch.Tensor | None = None
         # The step `prepare`/`prepare_graph` planned: the DeltaNet kernels' walk (CUDA), and
         # whether it replays a graph (states then only continue: nothing to start).
@@ -392,18 +395,35 @@ class Qwen35ForCausalLM(Model):
             StateSpec("recurrent", layers, recurrent, torch.float32),
         ]
 
+    @property
+    def runs_kernels(self) -> bool:
+        """Whether steps run the CUDA kernels (else the torch references)."""
+        return self._kernels
+
+    @property
+    def attention_shape(self) -> GQAShape:
+        return GQAShape(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
+
     def init_runtime(self, runtime: RuntimeConfig) -> None:
-        cfg = self.cfg
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
-        if device.type == "cuda" and cfg.conv_kernel != 4:
-            raise ConfigError(f"the CUDA conv kernel takes width 4, not {cfg.conv_kernel}")
-        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, runtime.max_model_len, device)
-        shape = GQAShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.attn = make_paged_attention(
-            shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets,
+        attn = make_paged_attention(
+            self.attention_shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets,
             runtime.decode_attention_tensor_cores,
         )  # fmt: skip
-        self.ops = layer_ops(device)
+        self.set_up_steps(runtime, attn, device)
+
+    def set_up_steps(
+        self, runtime: RuntimeConfig, attn: PagedAttention, kernels: torch.device
+    ) -> None:
+        """Rotary tables and graph buffers (on the model's device), `attn`, and the ops of the
+        `kernels` device type (CUDA's on a meta model: `kernel_plan`)."""
+        cfg, device = self.cfg, self.embed_tokens.device
+        self._kernels = kernels.type == "cuda"
+        if self._kernels and cfg.conv_kernel != 4:
+            raise ConfigError(f"the CUDA conv kernel takes width 4, not {cfg.conv_kernel}")
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, runtime.max_model_len, device)
+        self.attn = attn
+        self.ops = layer_ops(kernels)
         self._max_rows = max(runtime.max_num_batched_tokens, *runtime.graph_buckets, 1)
         if runtime.graph_buckets:
             largest = max(runtime.graph_buckets)
@@ -427,8 +447,7 @@ class Qwen35ForCausalLM(Model):
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
         self.attn.plan(batch)
-        cuda = batch.input_ids.is_cuda
-        self._step = DeltaNetStep.of(batch, self._decode_bounds) if cuda else None
+        self._step = DeltaNetStep.of(batch, self._decode_bounds) if self._kernels else None
         self._replaying = False
 
     def prepare_graph(self, batch: ForwardBatch, bucket: int) -> None:
@@ -540,7 +559,7 @@ class Qwen35ForCausalLM(Model):
             x, residual = ops_.add_rms_norm(hidden, residual, layer.input_layernorm, eps, True)
             n = self._cache_index[index]
             if layer.kind == FULL:
-                hidden = layer.self_attn(x, batch, kv[n], rope, attn)
+                hidden = layer.self_attn(x, batch, kv[n], rope, attn, self._kernels)
             else:
                 hidden = layer.linear_attn(x, batch, conv[n], recurrent[n], self._step)
             x, residual = ops_.add_rms_norm(

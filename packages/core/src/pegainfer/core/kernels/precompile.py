@@ -1,0 +1,298 @@
+"""Compiling a model line's kernels while its weights load, not when a step first needs them
+(issue 21).
+
+Triton compiles a kernel on its first launch with a given specialization (argument dtypes,
+constexprs, whether an int equals 1 or is divisible by 16, whether a pointer is 16-byte
+aligned, num_warps/num_stages) and FlashInfer builds a module (nvcc, ninja) on the first plan
+that needs it. Left to the engine's first steps they compile one after another: on a fresh
+H200 25-37 s in the KV-sizing step and 30 s more in Qwen3.5's warm-up.
+
+A line lists what its served steps launch (`ModelLine.kernel_plan`): its Triton launches, found
+by running its launchers on meta tensors with `JITFunction.run` recording instead of launching
+(`record_launches`), so the list follows the launchers' own arguments; and a factory of its
+attention backend, whose plan of a small mixed batch builds the FlashInfer modules its steps
+use. `Precompile` compiles the Triton launches in a pool of spawned processes (each
+`JITFunction.warmup` fills Triton's on-disk cache, which the engine's launches then load) and
+plans the attention backend on a thread (nvcc and ninja run as subprocesses), both while the
+engine loads the weights; `wait` joins both before the KV-sizing step measures memory (the
+pool's processes, which hold CUDA contexts, have exited by then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from pegainfer.core.model_line import RuntimeConfig
+from pegainfer.core.runner.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# Triton specializes a pointer on 16-byte alignment and an int on divisibility by 16.
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument as Triton's specialization sees it: its dtype and its address modulo
+    16 (`data_ptr` is all `JITFunction.warmup` reads of a tensor)."""
+
+    dtype: torch.dtype
+    offset: int = 0
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorArg:
+        # A meta tensor has no address: a view's is its base's (allocations are aligned) plus
+        # its storage offset.
+        address = (tensor.storage_offset() * tensor.element_size() if tensor.is_meta
+                   else tensor.data_ptr())  # fmt: skip
+        return cls(tensor.dtype, address % _ALIGN)
+
+    def data_ptr(self) -> int:
+        return self.offset
+
+
+def _spec(value: Any, exact: bool, specialize: bool, align: bool) -> Any:
+    """What of an argument's value Triton's cache key holds: all of a constexpr's (`exact`);
+    a tensor's dtype and 16-byte alignment; an int's equality to 1 and divisibility by 16
+    (none of it where the kernel says `do_not_specialize`, no alignment or divisibility where
+    it says `do_not_specialize_on_alignment`); a runtime float's or bool's type alone."""
+    if exact:
+        return value
+    if isinstance(value, TensorArg):
+        return (value.dtype, specialize and align and value.offset == 0)
+    if isinstance(value, bool):
+        return "u1"
+    if isinstance(value, int):
+        wide = not -(2**31) <= value < 2**31
+        if not specialize:
+            return ("int", wide)
+        return ("int", wide, value == 1, align and value % _ALIGN == 0)
+    if isinstance(value, float):
+        return "fp32"
+    return value
+
+
+def _arg(value: Any) -> Any:
+    return TensorArg.of(value) if isinstance(value, torch.Tensor) else value
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One Triton launch, without its grid: the kernel (by module and name, so a spawned
+    process finds it), its arguments (tensors as `TensorArg`) and its keyword arguments
+    (constexprs, num_warps, num_stages)."""
+
+    module: str
+    name: str
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def kernel(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def key(self) -> tuple[Any, ...]:
+        """Equal for two launches that compile the same kernel (Triton's specialization
+        rules, read from the kernel's parameters)."""
+        params = {p.name: p for p in self.kernel().params}
+        names = list(params)
+
+        def spec(name: str, value: Any) -> Any:
+            param = params.get(name)
+            if param is None:  # a compile option (num_warps, num_stages)
+                return value
+            return _spec(value, param.is_constexpr, not param.do_not_specialize,
+                          not param.do_not_specialize_on_alignment)  # fmt: skip
+
+        positional = tuple(spec(names[i], v) for i, v in enumerate(self.args))
+        return (self.module, self.name, positional,
+                tuple((k, spec(k, v)) for k, v in self.kwargs))  # fmt: skip
+
+    def warmup(self) -> None:
+        """Compile this launch's kernel (into Triton's on-disk cache) without running it."""
+        self.kernel().warmup(*self.args, grid=(1,), **dict(self.kwargs))
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[KernelLaunch]]:
+    """Within the block, a Triton launch (`kernel[grid](...)`) from this thread is recorded,
+    deduplicated by `KernelLaunch.key`, and neither compiled nor run: a launcher called on
+    meta tensors lists what it would launch. Other threads' launches run as usual."""
+    from triton.runtime.jit import JITFunction
+
+    launches: dict[tuple[Any, ...], KernelLaunch] = {}
+    original = JITFunction.run
+    owner = threading.get_ident()
+
+    def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        if warmup or threading.get_ident() != owner:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        launch = KernelLaunch(self.fn.__module__, self.fn.__name__, tuple(map(_arg, args)),
+                              tuple(sorted((k, _arg(v)) for k, v in kwargs.items())))  # fmt: skip
+        launches.setdefault(launch.key(), launch)
+        return None
+
+    recorded: list[KernelLaunch] = []
+    with _PATCH_LOCK:  # one recording at a time (each restores what it replaced)
+        JITFunction.run = record
+        try:
+            yield recorded
+        finally:
+            JITFunction.run = original
+            recorded.extend(launches.values())
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+class AttentionBackend(Protocol):
+    """What `Precompile` needs of an attention backend: planning a step (which builds the
+    library modules its runs use)."""
+
+    def plan(self, batch: ForwardBatch) -> None: ...
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """What a line's served steps compile: its Triton launches and a factory of its attention
+    backend (None: no library modules to build)."""
+
+    triton: tuple[KernelLaunch, ...] = ()
+    attention: Callable[[], AttentionBackend] | None = None
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """What bounds the steps the engine will run, known before the model is built."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    graph_buckets: tuple[int, ...] = ()
+    decode_attention_tensor_cores: str = "auto"
+
+    def runtime(self) -> RuntimeConfig:
+        """A runtime within these bounds, for a model whose steps are only recorded (its
+        sequences no longer than a step's budget)."""
+        return RuntimeConfig(self.block_size, self.max_num_batched_tokens,
+                             self.max_num_batched_tokens, self.max_num_seqs, self.graph_buckets,
+                             self.decode_attention_tensor_cores)  # fmt: skip
+
+    def token_counts(self) -> list[int]:
+        """Token counts of steps that together make every specialization on a step's size:
+        the warm-up's (both sides of every power of two), and the decode-graph buckets."""
+        from pegainfer.core.runner.warmup import warmup_token_counts
+
+        budget = self.max_num_batched_tokens
+        return sorted(set(warmup_token_counts(budget, budget)) | set(self.graph_buckets))
+
+
+def probe_batch(block_size: int, device: torch.device) -> ForwardBatch:
+    """A decode row beside a three-token prompt: planning it builds what decode and prefill
+    attention run."""
+    table = list(range(-(-3 // block_size)))
+    return ForwardBatch.build([[0], [0, 0, 0]], [1, 0], [[0], table], [True, True], block_size,
+                              device)  # fmt: skip
+
+
+def _compile(launch: KernelLaunch) -> None:
+    launch.warmup()
+
+
+class Precompile:
+    """Compiles a line's `KernelPlan` in the background: `start` returns at once, `wait` joins.
+
+    A thread makes the plan (recording the launches costs a meta forward per step), hands the
+    Triton launches to a pool of spawned processes, then builds the attention modules itself.
+    """
+
+    def __init__(
+        self, make_plan: Callable[[], KernelPlan], block_size: int, device: torch.device
+    ) -> None:
+        self._make_plan = make_plan
+        self._block_size = block_size
+        self._device = device
+        self._plan = KernelPlan()
+        self._pool: ProcessPoolExecutor | None = None
+        self._futures: list[Future[None]] = []
+        self._errors: list[str] = []
+        self._workers = 0
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="pegainfer-precompile")  # fmt: skip
+
+    @classmethod
+    def start(
+        cls, make_plan: Callable[[], KernelPlan], block_size: int, device: torch.device
+    ) -> Precompile:
+        self = cls(make_plan, block_size, device)
+        self._thread.start()
+        return self
+
+    @property
+    def plan(self) -> KernelPlan:
+        """The plan compiled (empty until the thread has made it: after `wait`)."""
+        return self._plan
+
+    def _run(self) -> None:
+        try:
+            self._plan = plan = self._make_plan()
+        except Exception as error:
+            self._errors.append(f"the kernel plan: {error!r}")
+            return
+        if plan.triton:
+            # The CPUs but one (the engine's loading), at most one process per launch.
+            self._workers = min(max(1, (os.cpu_count() or 2) - 1), len(plan.triton))
+            # Spawned, not forked: the engine process has threads and a CUDA context.
+            context = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(self._workers, mp_context=context)
+            self._futures = [self._pool.submit(_compile, launch) for launch in plan.triton]
+        if plan.attention is not None:
+            try:
+                plan.attention().plan(probe_batch(self._block_size, self._device))
+                if self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)
+            except Exception as error:
+                self._errors.append(f"the attention backend: {error!r}")
+
+    def wait(self) -> str:
+        """Wait for every compile (the pool's processes exit). A compile that fails is logged
+        and left to the step that launches the kernel (which compiles it, or raises the same
+        error there): precompiling saves time, it decides nothing. Returns what was compiled,
+        for the start-up log."""
+        self._thread.join()
+        failures = list(self._errors)
+        for launch, future in zip(self._plan.triton, self._futures, strict=True):
+            try:
+                future.result()
+            except Exception as error:
+                failures.append(f"{launch.module}.{launch.name}: {error!r}")
+        self.cancel()
+        if failures:
+            logger.warning(
+                "precompiling failed for %d of the kernels (they compile at their first launch "
+                "instead): %s", len(failures), "; ".join(failures),
+            )  # fmt: skip
+        seconds = time.perf_counter() - self._started
+        attention = ", attention modules" if self._plan.attention is not None else ""
+        failed = f", {len(failures)} failed" if failures else ""
+        return (f"{len(self._plan.triton)} Triton launches on {self._workers} processes"
+                f"{attention}{failed}, {seconds:.1f} s after they started")  # fmt: skip
+
+    def cancel(self) -> None:
+        """Stop the pool (compiles not started are dropped; its processes exit)."""
+        self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

@@ -1,0 +1,172 @@
+"""The kernel plans of issue 21 on the CPU: recording Triton launches from launchers run on meta
+tensors, what tells two launches' compiles apart, each line's plan covering every kernel its
+packages launch, and the background compile reporting (not raising) what failed."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from pegainfer.core.kernels.precompile import (
+    KernelLaunch,
+    KernelPlan,
+    Precompile,
+    StepBounds,
+    TensorArg,
+    record_launches,
+)
+from pegainfer.core.model_line import ModelContext
+from pegainfer.core.runner.meta_steps import meta_steps
+
+META = torch.device("meta")
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=META)
+
+
+def test_launches_are_recorded_once_per_specialization_and_not_run():
+    from pegainfer.core.kernels import activation, norm
+
+    weight = meta(256)
+    with record_launches() as launches:
+        for tokens in (1, 7, 16, 33):  # the grid changes, not the kernel
+            x = meta(tokens, 256)
+            norm.add_rms_norm(x, None, weight, 1e-6)
+            norm.add_rms_norm(x, meta(tokens, 256), weight, 1e-6)
+            activation.silu_and_mul(meta(tokens, 512))
+    names = sorted(launch.name for launch in launches)
+    assert names == ["_add_rms_norm_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel"]
+    norms = [launch for launch in launches if launch.name == "_add_rms_norm_kernel"]
+    assert {dict(launch.kwargs)["HAS_RESIDUAL"] for launch in norms} == {False, True}
+    first = norms[0]
+    assert first.module == "pegainfer.core.kernels.norm"
+    assert first.args[0] == TensorArg(torch.bfloat16, 0)
+    assert dict(first.kwargs)["BLOCK"] == 256 and first.args[4:8] == (256, 256, 256, 256)
+
+
+def test_a_view_records_its_offset_and_the_kernel_decides_whether_it_counts():
+    a = meta(4, dtype=torch.int64)
+    assert TensorArg.of(a[1:]) == TensorArg(torch.int64, 8)
+    assert TensorArg.of(a[2:]) == TensorArg(torch.int64, 0)
+
+    def launch(module: str, name: str, args: list) -> KernelLaunch:
+        return KernelLaunch(module, name, tuple(args), ())
+
+    # Qwen3's q/k kernel reads positions as scalars (not specialized on alignment); its q/k/v
+    # input is a tensor it is specialized on.
+    module, name = "pegainfer.models.qwen3.kernels", "_qk_norm_rope_kv_kernel"
+    tensors = [TensorArg(torch.bfloat16)] * 5 + [TensorArg(torch.int64)] * 2
+    tensors += [TensorArg(torch.bfloat16)] * 2
+    ints = [512, 256, 64, 4096, 2048, 128, 16, 1e-6]
+    base = launch(module, name, tensors + ints)
+    moved_positions = [*tensors[:5], TensorArg(torch.int64, 8), *tensors[6:]]
+    assert launch(module, name, moved_positions + ints).key() == base.key()
+    moved_input = [TensorArg(torch.bfloat16, 8), *tensors[1:]]
+    assert launch(module, name, moved_input + ints).key() != base.key()
+    # An int argument: equal to 1, divisible by 16 or neither, each compiles once.
+    classes = {launch(module, name, [*tensors, 512, 256, 64, 4096, 2048, 128, n, 1e-6]).key()
+               for n in (1, 16, 32, 17, 19)}  # fmt: skip
+    assert len(classes) == 3
+
+
+def test_meta_steps_cover_every_size_class_within_the_bounds():
+    bounds = StepBounds(block_size=16, max_num_batched_tokens=64, max_num_seqs=8,
+                        graph_buckets=(1, 2, 4, 8))  # fmt: skip
+    steps = meta_steps(bounds, recurrent=True)
+    prompts = sorted(
+        s.num_tokens for s in steps if s.num_seqs == 1 and s.seq_lens_cpu[0] == s.num_tokens
+    )
+    assert prompts == bounds.token_counts() == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64]
+    decodes = sorted(s.num_seqs for s in steps if s.is_decode and s.num_seqs > 1)
+    assert decodes == [2, 3, 4, 5, 8]
+    assert all(s.input_ids.is_meta for s in steps)
+    assert any(snapshot is not None for s in steps for snapshot in s.state_snapshot_cpu)
+
+
+def launched_kernels(package: str) -> set[str]:
+    """The Triton kernels a package's modules launch (`name[grid](...)` calls)."""
+    root = Path(importlib.import_module(package).__file__).parent
+    names = set()
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        jitted = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                  and any("triton.jit" in ast.unparse(d) for d in node.decorator_list)}  # fmt: skip
+        for node in ast.walk(tree):
+            call = node.func if isinstance(node, ast.Call) else None
+            if isinstance(call, ast.Subscript) and isinstance(call.value, ast.Name):
+                names |= {call.value.id} & jitted
+    return names
+
+
+LINE_KERNELS = {
+    # line: (its line class, the packages whose kernels its steps launch)
+    "qwen3": ("pegainfer.models.qwen3.line:Qwen3Line", ["pegainfer.models.qwen3"]),
+    "qwen35": ("pegainfer.models.qwen35.line:Qwen35Line", ["pegainfer.models.qwen35"]),
+}
+
+
+@pytest.mark.parametrize("line_name", sorted(LINE_KERNELS))
+def test_a_lines_plan_covers_every_kernel_its_package_and_layer_ops_launch(line_name, tmp_path):
+    path, packages = LINE_KERNELS[line_name]
+    module, cls = path.split(":")
+    line = getattr(importlib.import_module(module), cls)()
+    line.write_tiny_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    ctx = ModelContext(tmp_path, config, torch.bfloat16, torch.device("cuda"))
+    bounds = StepBounds(16, 256, 8, (1, 2, 4, 8))
+    plan = line.kernel_plan(ctx, bounds)
+    planned = {launch.name for launch in plan.triton}
+    expected = {"_add_rms_norm_kernel", "_silu_and_mul_kernel"}  # core's layer ops
+    for package in packages:
+        expected |= launched_kernels(package)
+    assert expected <= planned, f"not in the plan: {sorted(expected - planned)}"
+    assert plan.attention is not None
+    # Deterministic: the same plan twice (the engine's ranks and a restart agree).
+    assert [launch.key() for launch in line.kernel_plan(ctx, bounds).triton] == [
+        launch.key() for launch in plan.triton
+    ]
+
+
+class PlannedBackend:
+    def __init__(self) -> None:
+        self.planned: list[int] = []
+
+    def plan(self, batch) -> None:
+        self.planned.append(batch.num_tokens)
+
+
+def test_the_attention_backend_is_planned_on_a_decode_beside_a_prompt():
+    backend = PlannedBackend()
+    precompile = Precompile.start(lambda: KernelPlan((), lambda: backend), 16, torch.device("cpu"))
+    summary = precompile.wait()
+    assert backend.planned == [4]  # one decode row and a 3-token prompt
+    assert "attention modules" in summary and "failed" not in summary
+
+
+def test_failures_are_logged_and_left_to_the_first_launch(caplog):
+    """A CPU has no Triton driver: the spawned process's warm-up fails, as does a plan that
+    raises; `wait` says so in the log and returns."""
+    from pegainfer.core.kernels import norm  # noqa: F401 - the launch's module
+
+    flags = (("BLOCK", 256), ("HAS_RESIDUAL", False), ("ZERO_CENTRED", False))
+    args = (TensorArg(torch.bfloat16),) * 4 + (256, 256, 256, 256, 1e-6)
+    launch = KernelLaunch("pegainfer.core.kernels.norm", "_add_rms_norm_kernel", args, flags)
+
+    def broken():
+        raise RuntimeError("no backend here")
+
+    with caplog.at_level(logging.WARNING, logger="pegainfer.core.kernels.precompile"):
+        summary = Precompile.start(lambda: KernelPlan((launch,), broken), 16,
+                                   torch.device("cpu")).wait()  # fmt: skip
+        plan_failed = Precompile.start(broken, 16, torch.device("cpu")).wait()
+    assert "1 Triton launches on 1 processes" in summary and "2 failed" in summary
+    assert "pegainfer.core.kernels.norm._add_rms_norm_kernel" in caplog.text
+    assert "no backend here" in caplog.text
+    assert "1 failed" in plan_failed and "the kernel plan" in caplog.text
