@@ -21,7 +21,7 @@ from pegainfer.core.kernels.precompile import (
     TensorArg,
     record_launches,
 )
-from pegainfer.core.model_line import ModelContext
+from pegainfer.core.model import ModelContext
 from pegainfer.core.runner.meta_steps import meta_steps
 
 META = torch.device("meta")
