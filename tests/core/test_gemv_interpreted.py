@@ -40,8 +40,8 @@ def test_gemv_matches_linear_interpreted():
 def test_default_config_gives_every_sm_two_programs():
     from pegainfer.core.kernels.gemv import default_config
 
-    assert default_config(151936, 132).block_n == 64  # Qwen3's LM head
-    assert default_config(19456, 132).block_n == 64  # Qwen3-4B's gate_up: 304 programs
+    assert default_config(151936, 132).block_n == 32  # Qwen3's LM head
+    assert default_config(19456, 132).block_n == 32  # Qwen3-4B's gate_up: 608 programs
     assert default_config(6144, 132).block_n == 16  # qkv: 192 programs of 32 would be < 264
     assert default_config(2560, 132).block_n == 16
 
