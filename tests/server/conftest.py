@@ -39,19 +39,22 @@ class Server:
 
 
 def start_server(
-    model: Path, log: Path, *args: str, env: dict | None = None, port: int | None = None
+    model: Path,
+    log: Path,
+    *args: str,
+    env: dict | None = None,
+    port: int | None = None,
+    command: tuple[str, ...] = (sys.executable, "-m", "pegainfer.server.cli"),
 ) -> Server:
     """Start the server process; return once /health says 200 (or fail with its log).
 
     With `port` given, `args` must carry `--port` themselves (as the README's command does).
+    `command` runs the CLI (with `args` after it).
     """
     if port is None:
         port = free_port()
         args = ("--port", str(port), *args)
-    cmd = [
-        sys.executable, "-m", "pegainfer.server.cli",
-        "--model-path", str(model), "--host", "127.0.0.1", *args,
-    ]  # fmt: skip
+    cmd = [*command, "--model-path", str(model), "--host", "127.0.0.1", *args]
     with open(log, "w") as handle:  # the child keeps its own descriptor
         process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", str(model), process, log)

@@ -21,21 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
 from typing import ParamSpec, TypeVar
 
 from pegainfer.core.engine.frontend import Frontend, RequestLimits, RequestStream, StreamDelta
 from pegainfer.core.engine.loop import EngineConnection, decode_outputs
 from pegainfer.core.engine.messages import AbortRequest, EngineRequest, RequestOutput
 from pegainfer.core.engine.metrics import Metrics
+from pegainfer.core.process_info import release_freed_memory
 from pegainfer.core.sampling.structured_output import Grammars
 
 
@@ -128,7 +126,7 @@ class AsyncEngineClient:
                 return work(*args, **kwargs)
             finally:
                 if time.monotonic() - started > _LONG_JOB_S:
-                    _release_freed_memory()
+                    release_freed_memory()
 
         self._admit(1)
         self._preparing += 1
@@ -330,20 +328,3 @@ class AsyncEngineClient:
                 timing=output.timing,
             )
         return delta, last
-
-
-@cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None  # glibc only
-
-
-def _release_freed_memory() -> None:
-    """Give the memory freed by the process back to the system (glibc's `malloc_trim`; a
-    no-op elsewhere). Freed blocks otherwise stay mapped: one 10 MB prompt left ~450 MB."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)

@@ -61,6 +61,7 @@ from pegainfer.core.runner.memory import (
     cpu_kv_blocks,
     fit_kv_blocks,
     given_gpu_kv_blocks,
+    release_start_up_memory,
 )
 from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunner
 from pegainfer.core.runner.piecewise_graphs import token_buckets
@@ -442,6 +443,7 @@ class EngineCore:
         self._step_tokens: list[int] = []  # per launched step, until the next stats()
         load_tokenizer = partial(line.load_tokenizer, tokenizer_dir)
         self.grammars = Grammars(load_tokenizer, self.config.vocab_size)
+        release_start_up_memory(device)
         self._startup.mark("engine ready")
 
     def _drafter(self, args: EngineArgs, line: ModelLine, context: ModelContext) -> Drafter:

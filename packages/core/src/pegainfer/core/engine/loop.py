@@ -7,7 +7,9 @@ which runs `EngineLoop.run` in the engine process's main thread) through one int
 `EngineConnection`. The loop blocks when it has nothing to do; aborts and new requests take
 effect at the next step. A request with a grammar is compiled against the tokenizer on a
 thread of the loop's pool first and scheduled once its grammar is ready, so a large schema
-never holds up the running requests' steps.
+never holds up the running requests' steps. Once the loop has idled `SETTLE_S` seconds after
+work, the heap its steps freed goes back to the system (at rest the process is as small as
+it can be; a busy loop keeps its freed memory for reuse).
 A failure inside a step ends every request in flight with an error instead of hanging its
 client. The loop owns the engine: when it ends, it shuts the engine down from the thread that
 ran its steps (under tensor parallelism the CUDA graphs go before the NCCL communicator, then
@@ -34,6 +36,7 @@ from pegainfer.core.engine.messages import (
     Shutdown,
 )
 from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.process_info import release_freed_memory
 
 if TYPE_CHECKING:
     from pegainfer.core.engine.core import EngineCore
@@ -49,6 +52,8 @@ _outputs_decoder = msgspec.msgpack.Decoder(EngineOutputs)
 
 # Grammars compiled at once: llguidance compiles outside the GIL, each on a thread of its own.
 _GRAMMAR_THREADS = 2
+#: Seconds without work after which the loop gives its freed heap back.
+SETTLE_S = 2.0
 
 
 def encode(message: Inbound | EngineOutputs) -> bytes:
@@ -90,6 +95,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._compiling: dict[str, tuple[EngineRequest, Future]] = {}
         self._grammar_pool: ThreadPoolExecutor | None = None
+        self._settled = True  # nothing freed since the heap was last given back
         self.error: BaseException | None = None
 
     def start(self, sink: OutputSink) -> None:
@@ -154,7 +160,7 @@ class EngineLoop:
         messages = []
         try:
             if block:
-                data = self._inbox.get()
+                data = self._wait()
                 if data is not None:
                     messages.append(_inbound_decoder.decode(data))
             while True:
@@ -162,7 +168,20 @@ class EngineLoop:
                 if data is not None:
                     messages.append(_inbound_decoder.decode(data))
         except queue.Empty:
+            if messages:
+                self._settled = False
             return messages
+
+    def _wait(self) -> bytes | None:
+        """The next inbox item, once there is one. After work, the first `SETTLE_S` seconds
+        without any end in `release_freed_memory`."""
+        if not self._settled:
+            self._settled = True
+            try:
+                return self._inbox.get(timeout=SETTLE_S)
+            except queue.Empty:
+                release_freed_memory()
+        return self._inbox.get()
 
     def _handle(self, message: EngineRequest | AbortRequest) -> list[RequestOutput]:
         if isinstance(message, AbortRequest):

@@ -8,10 +8,14 @@ CUDA graphs come off the memory `gpu_memory_utilization` allows, and the rest be
 On the CPU (`cpu_kv_blocks`) the cache is allocated and zeroed up front, so every byte of it
 is resident from the start: it gets what the user gives it (`--cpu-kv-cache-gib`) or, by
 default, as much memory as the weights take, within bounds.
+
+Once the engine has started, `release_start_up_memory` gives back the host memory that
+loading, sizing and warming up used and serving does not.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -26,6 +30,7 @@ from pegainfer.core.kv.kv_cache import (
     bytes_per_block,
 )
 from pegainfer.core.model import Model
+from pegainfer.core.process_info import release_freed_memory, rss_bytes
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.core.sampling.sampler import SamplingBatch, sample
 
@@ -201,3 +206,16 @@ def plan_gpu_kv(
     )
     logger.info(plan.describe())
     return plan
+
+
+def release_start_up_memory(device: torch.device) -> None:
+    """Give back what starting the engine left behind: Python garbage, the page-locked host
+    blocks torch's caching host allocator kept from the profile step, graph captures and
+    warm-up (CUDA; steps allocate the few they need again), and the heap glibc kept from
+    reading the checkpoint and building the model."""
+    before = rss_bytes()
+    gc.collect()
+    if device.type == "cuda":
+        torch._C._host_emptyCache()  # private, and what torch.cuda.graph calls before a capture
+    release_freed_memory()
+    logger.info("start-up memory given back: %d MiB resident", (before - rss_bytes()) >> 20)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from pegainfer.core.errors import InvalidRequestError
+from pegainfer.core.process_info import release_freed_memory
 
 if TYPE_CHECKING:
     import llguidance
@@ -122,14 +123,18 @@ class Grammars:
 
         key = tuple(eos_token_ids)
         with self._lock:
-            if key not in self._tokenizers:
-                # No EOS at all (token-id clients may send none): llguidance's guess from the
-                # tokenizer stands in; the request then ends by length or its grammar's last
-                # token.
-                self._tokenizers[key] = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(key) or None
-                )
-            return self._tokenizers[key]
+            tokenizer = self._tokenizers.get(key)
+            if tokenizer is not None:
+                return tokenizer
+            # No EOS at all (token-id clients may send none): llguidance's guess from the
+            # tokenizer stands in; the request then ends by length or its grammar's last token.
+            tokenizer = self._tokenizers[key] = llguidance.LLTokenizer(
+                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(key) or None
+            )
+        # Loading the tokenizer to write its JSON (in the engine's process) and parsing that
+        # leave ~100 MB of freed heap behind for Qwen3's vocabulary.
+        release_freed_memory()
+        return tokenizer
 
     def matcher(self, output: StructuredOutput, eos_token_ids: list[int]) -> llguidance.LLMatcher:
         """A fresh matcher for `output`; raise `InvalidRequestError` if it does not compile."""
