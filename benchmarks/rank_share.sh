@@ -19,6 +19,7 @@
 #     context and prefill 4k, against the HBM and matmul limits measured in the same run.
 # Every step has a time limit within BUDGET_S (default 540 s) from the start, so a step that
 # hangs costs only what is left after it; SERVER_ARGS are added to the server's flags.
+# MODEL_DIR: where the config-only checkpoint goes (default /tmp/share-SHAPE).
 set -uo pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
 : "${SHARE:?set SHARE=SHAPE:LAYERS:EXPERTS, e.g. kimi-k2-int4:61:48}"
@@ -27,7 +28,7 @@ BUDGET_S=${BUDGET_S:-540}
 PORT=${PORT:-8000}
 REV=${PEGAINFER_REVISION:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 LOG=$OUT/$SHAPE
-MODEL=/tmp/share-$SHAPE
+MODEL=${MODEL_DIR:-/tmp/share-$SHAPE}  # the config-only checkpoint
 mkdir -p "$LOG"
 t0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - t0) )); }
