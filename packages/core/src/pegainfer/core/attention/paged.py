@@ -24,6 +24,7 @@ one and three decodes the eager wrappers, so it is loaded before the server is r
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -295,9 +296,7 @@ class FlashInferPagedAttention(PagedAttention):
         # Eager steps: decode rows (through the kernel their count picks), then prefill rows.
         # The wrappers share the workspace (their runs follow each other on one stream); the
         # decode wrappers, of which a step plans one, share plan buffers and their staging.
-        kinds = {False, True}
-        if self.decode_kernels.tensor_cores_from in (None, 1):
-            kinds = {self.decode_kernels.tensor_cores_from == 1}
+        kinds = {self.decode_kernels.tensor_cores(rows) for rows in (1, sys.maxsize)}
         self._decode = {
             kind: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_tensor_cores=kind
