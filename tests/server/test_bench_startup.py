@@ -36,9 +36,14 @@ def test_startup_cold_and_warm(tiny_model, tmp_path):
     ]
     for run in result["runs"]:
         assert 0 < run["ready_s"] < 60
-        # torch keeps a few hundred MiB resident in each of the server and engine processes.
+        # torch keeps a few hundred MiB resident in the engine process; the HTTP process has
+        # no torch.
         assert 100 < run["idle_rss_mib"] < 1024
-        # The two processes share torch's libraries: their PSS is below the RSS sum.
+        roles = run["idle_rss_by_role_mib"]
+        assert set(roles) == {"http", "engine", "resource tracker"}, roles
+        assert roles["http"] < 200 < roles["engine"], roles
+        assert abs(sum(roles.values()) - run["idle_rss_mib"]) < 1
+        # Shared pages (libraries) count once per process in the RSS sum, split in PSS.
         assert 50 < run["idle_pss_mib"] < run["idle_rss_mib"]
         assert run["idle_rss_anon_mib"] + run["idle_rss_file_mib"] <= run["idle_rss_mib"] + 1
         assert run["processes"] >= 2

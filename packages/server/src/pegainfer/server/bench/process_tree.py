@@ -27,6 +27,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def role(pid: int, root: int) -> str:
+    """What process `pid` of the server rooted at `root` is: "http" (the server's own process,
+    which serves HTTP), "engine" (the engine process it spawned), "resource tracker"
+    (multiprocessing's helper) or "worker" (a parallel rank, below the engine)."""
+    if pid == root:
+        return "http"
+    try:
+        command = (_PROC / str(pid) / "cmdline").read_bytes()
+        parent = int((_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return "exited"
+    if b"resource_tracker" in command:
+        return "resource tracker"
+    return "engine" if parent == root else "worker"
+
+
 def rss_bytes(pids: list[int]) -> int:
     """Sum of VmRSS over `pids` (processes that exited meanwhile count as 0)."""
     return sum(process_rss(pid) for pid in pids)

@@ -2,8 +2,8 @@
 
 Each run starts `pegainfer-server` as a user would, polls /health until it answers 200, waits
 for the process tree to settle, reads its resident memory (every process: the HTTP server, the
-engine, any parallel workers) and GPU memory, then stops it. The server's own start-up log
-lines (each phase's time and RSS) are kept with the run.
+engine, any parallel workers; in all and by role) and GPU memory, then stops it. The server's
+own start-up log lines (each phase's time and RSS) are kept with the run.
 
 Cold runs point FlashInfer's, Triton's and the CUDA driver's kernel caches at empty
 directories, so every kernel compiles as on a fresh machine (with `--drop-page-cache`, the
@@ -34,6 +34,7 @@ from pegainfer.server.bench.process_tree import (
     descendants,
     gpu_bytes,
     memory_by_kind,
+    role,
     rss_bytes,
 )
 
@@ -106,10 +107,15 @@ def run_once(
         tree = descendants(process.pid)
         gpu = gpu_bytes(tree)
         kinds = {f"idle_{kind}_mib": value / 2**20 for kind, value in memory_by_kind(tree).items()}
+        by_role: dict[str, float] = {}
+        for pid in tree:
+            name = role(pid, process.pid)
+            by_role[name] = by_role.get(name, 0.0) + rss_bytes([pid]) / 2**20
         return {
             "ready_s": ready_s,
             "idle_rss_mib": rss_bytes(tree) / 2**20,
             **kinds,
+            "idle_rss_by_role_mib": by_role,
             "processes": len(tree),
             "gpu_mib": None if gpu is None else gpu / 2**20,
             "phases": phases(log_path.read_text()),
@@ -138,9 +144,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             gpu = "" if run["gpu_mib"] is None else f", GPU {run['gpu_mib']:.0f} MiB"
             pss = run.get("idle_pss_mib")
             pss = "" if pss is None else f" (PSS {pss:.0f} MiB)"
+            roles = run["idle_rss_by_role_mib"]
+            parts = ", ".join(f"{name} {mib:.0f}" for name, mib in roles.items())
             print(f"{cache} run {len(runs)}: ready in {run['ready_s']:.2f} s, idle RSS "
-                  f"{run['idle_rss_mib']:.0f} MiB{pss} over {run['processes']} processes{gpu}",
-                  flush=True)  # fmt: skip
+                  f"{run['idle_rss_mib']:.0f} MiB{pss} over {run['processes']} processes "
+                  f"({parts}){gpu}", flush=True)  # fmt: skip
             return {"cache": cache, **run}
 
         for i in range(args.cold_runs):
