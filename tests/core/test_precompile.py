@@ -122,16 +122,16 @@ def test_a_lines_plan_covers_every_kernel_its_package_and_layer_ops_launch(line_
     ctx = ModelContext(tmp_path, config, torch.bfloat16, torch.device("cuda"))
     bounds = StepBounds(16, 256, 8, (1, 2, 4, 8))
     plan = line.kernel_plan(ctx, bounds)
-    planned = {launch.name for launch in plan.triton}
+    launches = plan.launches()
+    planned = {launch.name for launch in launches}
     expected = {"_add_rms_norm_kernel", "_silu_and_mul_kernel"}  # core's layer ops
     for package in packages:
         expected |= launched_kernels(package)
     assert expected <= planned, f"not in the plan: {sorted(expected - planned)}"
     assert plan.attention is not None
     # Deterministic: the same plan twice (the engine's ranks and a restart agree).
-    assert [launch.key() for launch in line.kernel_plan(ctx, bounds).triton] == [
-        launch.key() for launch in plan.triton
-    ]
+    again = line.kernel_plan(ctx, bounds).launches()
+    assert [launch.key() for launch in again] == [launch.key() for launch in launches]
 
 
 class PlannedBackend:
@@ -144,15 +144,15 @@ class PlannedBackend:
 
 def test_the_attention_backend_is_planned_on_a_decode_beside_a_prompt():
     backend = PlannedBackend()
-    precompile = Precompile.start(lambda: KernelPlan((), lambda: backend), 16, torch.device("cpu"))
+    precompile = Precompile.start(KernelPlan(None, lambda: backend), 16, torch.device("cpu"))
     summary = precompile.wait()
     assert backend.planned == [4]  # one decode row and a 3-token prompt
     assert "attention modules" in summary and "failed" not in summary
 
 
 def test_failures_are_logged_and_left_to_the_first_launch(caplog):
-    """A CPU has no Triton driver: the spawned process's warm-up fails, as does a plan that
-    raises; `wait` says so in the log and returns."""
+    """A CPU has no Triton driver: the spawned process's warm-up fails, as do an attention
+    factory and a recording that raise; `wait` says so in the log and returns."""
     from pegainfer.core.kernels import norm  # noqa: F401 - the launch's module
 
     flags = (("BLOCK", 256), ("HAS_RESIDUAL", False), ("ZERO_CENTRED", False))
@@ -163,10 +163,10 @@ def test_failures_are_logged_and_left_to_the_first_launch(caplog):
         raise RuntimeError("no backend here")
 
     with caplog.at_level(logging.WARNING, logger="pegainfer.core.kernels.precompile"):
-        summary = Precompile.start(lambda: KernelPlan((launch,), broken), 16,
+        summary = Precompile.start(KernelPlan(lambda: (launch,), broken), 16,
                                    torch.device("cpu")).wait()  # fmt: skip
-        plan_failed = Precompile.start(broken, 16, torch.device("cpu")).wait()
+        plan_failed = Precompile.start(KernelPlan(broken), 16, torch.device("cpu")).wait()
     assert "1 Triton launches on 1 processes" in summary and "2 failed" in summary
     assert "pegainfer.core.kernels.norm._add_rms_norm_kernel" in caplog.text
     assert "no backend here" in caplog.text
-    assert "1 failed" in plan_failed and "the kernel plan" in caplog.text
+    assert "1 failed" in plan_failed and "recording the Triton launches" in caplog.text

@@ -889,8 +889,7 @@ def _start_precompile(args: EngineArgs, line: ModelLine, context: ModelContext) 
     buckets = () if args.enforce_eager else graph_buckets(args.max_num_seqs)
     bounds = StepBounds(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, buckets,
                         args.decode_attention_tensor_cores)  # fmt: skip
-    return Precompile.start(partial(line.kernel_plan, context, bounds), args.block_size,
-                            context.device)  # fmt: skip
+    return Precompile.start(line.kernel_plan(context, bounds), args.block_size, context.device)
 
 
 def _import_in_background(module: str) -> threading.Thread:

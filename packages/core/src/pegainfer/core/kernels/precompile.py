@@ -8,14 +8,14 @@ that needs it. Left to the engine's first steps they compile one after another: 
 H200 25-37 s in the KV-sizing step and 30 s more in Qwen3.5's warm-up.
 
 A line lists what its served steps launch (`ModelLine.kernel_plan`): its Triton launches, found
-by running its launchers on meta tensors with `JITFunction.run` recording instead of launching
-(`record_launches`), so the list follows the launchers' own arguments; and a factory of its
-attention backend, whose plan of a small mixed batch builds the FlashInfer modules its steps
-use. `Precompile` compiles the Triton launches in a pool of spawned processes (each
-`JITFunction.warmup` fills Triton's on-disk cache, which the engine's launches then load) and
-plans the attention backend on a thread (nvcc and ninja run as subprocesses), both while the
-engine loads the weights; `wait` joins both before the KV-sizing step measures memory (the
-pool's processes, which hold CUDA contexts, have exited by then).
+by running its model's forward on the meta device with its CUDA ops while `JITFunction.run`
+records instead of launching (`record_launches`, `runner/meta_steps.py`), so the list follows
+the model's own code; and a factory of its attention backend, whose plan of a small mixed batch
+builds the FlashInfer modules its steps use. `Precompile` builds the attention modules on one
+thread (nvcc and ninja run as subprocesses) and records the Triton launches on another, which
+compiles them on a pool of spawned processes (each `JITFunction.warmup` fills Triton's on-disk
+cache, which the engine's launches then load), all while the engine loads the weights; `wait`
+joins them before the KV-sizing step measures memory (the pool's processes have exited).
 """
 
 from __future__ import annotations
@@ -165,10 +165,11 @@ class AttentionBackend(Protocol):
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """What a line's served steps compile: its Triton launches and a factory of its attention
-    backend (None: no library modules to build)."""
+    """What a line's served steps compile: a function recording its Triton launches (it builds
+    a meta model: a second or two, so it runs in the background too) and a factory of its
+    attention backend (None: nothing of that kind to compile)."""
 
-    triton: tuple[KernelLaunch, ...] = ()
+    launches: Callable[[], tuple[KernelLaunch, ...]] | None = None
     attention: Callable[[], AttentionBackend] | None = None
 
 
@@ -189,13 +190,14 @@ class StepBounds:
                              self.max_num_batched_tokens, self.max_num_seqs, self.graph_buckets,
                              self.decode_attention_tensor_cores)  # fmt: skip
 
-    def token_counts(self) -> list[int]:
+    def token_counts(self, extra: frozenset[int] = frozenset()) -> list[int]:
         """Token counts of steps that together make every specialization on a step's size:
-        the warm-up's (both sides of every power of two), and the decode-graph buckets."""
+        the warm-up's (both sides of every power of two, and the `extra` counts modules ask
+        for), and the decode-graph buckets."""
         from pegainfer.core.runner.warmup import warmup_token_counts
 
         budget = self.max_num_batched_tokens
-        return sorted(set(warmup_token_counts(budget, budget)) | set(self.graph_buckets))
+        return sorted(set(warmup_token_counts(budget, budget, extra)) | set(self.graph_buckets))
 
 
 def probe_batch(block_size: int, device: torch.device) -> ForwardBatch:
@@ -213,67 +215,69 @@ def _compile(launch: KernelLaunch) -> None:
 class Precompile:
     """Compiles a line's `KernelPlan` in the background: `start` returns at once, `wait` joins.
 
-    A thread makes the plan (recording the launches costs a meta forward per step), hands the
-    Triton launches to a pool of spawned processes, then builds the attention modules itself.
+    One thread builds the attention modules (FlashInfer's JIT runs nvcc and ninja as
+    subprocesses: the longest compile, so it starts first); another records the Triton
+    launches and hands them to a pool of spawned processes.
     """
 
-    def __init__(
-        self, make_plan: Callable[[], KernelPlan], block_size: int, device: torch.device
-    ) -> None:
-        self._make_plan = make_plan
+    def __init__(self, plan: KernelPlan, block_size: int, device: torch.device) -> None:
+        self._plan = plan
         self._block_size = block_size
         self._device = device
-        self._plan = KernelPlan()
+        self.launches: tuple[KernelLaunch, ...] = ()  # once recorded
         self._pool: ProcessPoolExecutor | None = None
         self._futures: list[Future[None]] = []
         self._errors: list[str] = []
         self._workers = 0
         self._started = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="pegainfer-precompile")  # fmt: skip
+        self._threads = [
+            threading.Thread(target=target, daemon=True, name=f"pegainfer-precompile-{name}")
+            for name, target, wanted in (
+                ("attention", self._build_attention, plan.attention is not None),
+                ("triton", self._compile_triton, plan.launches is not None),
+            )
+            if wanted
+        ]
 
     @classmethod
-    def start(
-        cls, make_plan: Callable[[], KernelPlan], block_size: int, device: torch.device
-    ) -> Precompile:
-        self = cls(make_plan, block_size, device)
-        self._thread.start()
+    def start(cls, plan: KernelPlan, block_size: int, device: torch.device) -> Precompile:
+        self = cls(plan, block_size, device)
+        for thread in self._threads:
+            thread.start()
         return self
 
-    @property
-    def plan(self) -> KernelPlan:
-        """The plan compiled (empty until the thread has made it: after `wait`)."""
-        return self._plan
-
-    def _run(self) -> None:
+    def _build_attention(self) -> None:
         try:
-            self._plan = plan = self._make_plan()
+            self._plan.attention().plan(probe_batch(self._block_size, self._device))
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
         except Exception as error:
-            self._errors.append(f"the kernel plan: {error!r}")
+            self._errors.append(f"the attention backend: {error!r}")
+
+    def _compile_triton(self) -> None:
+        try:
+            self.launches = launches = self._plan.launches()
+        except Exception as error:
+            self._errors.append(f"recording the Triton launches: {error!r}")
             return
-        if plan.triton:
-            # The CPUs but one (the engine's loading), at most one process per launch.
-            self._workers = min(max(1, (os.cpu_count() or 2) - 1), len(plan.triton))
-            # Spawned, not forked: the engine process has threads and a CUDA context.
-            context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(self._workers, mp_context=context)
-            self._futures = [self._pool.submit(_compile, launch) for launch in plan.triton]
-        if plan.attention is not None:
-            try:
-                plan.attention().plan(probe_batch(self._block_size, self._device))
-                if self._device.type == "cuda":
-                    torch.cuda.synchronize(self._device)
-            except Exception as error:
-                self._errors.append(f"the attention backend: {error!r}")
+        if not launches:
+            return
+        # The CPUs but one (the engine's loading), at most one process per launch.
+        self._workers = min(max(1, (os.cpu_count() or 2) - 1), len(launches))
+        # Spawned, not forked: the engine process has threads and a CUDA context.
+        context = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(self._workers, mp_context=context)
+        self._futures = [self._pool.submit(_compile, launch) for launch in launches]
 
     def wait(self) -> str:
         """Wait for every compile (the pool's processes exit). A compile that fails is logged
         and left to the step that launches the kernel (which compiles it, or raises the same
         error there): precompiling saves time, it decides nothing. Returns what was compiled,
         for the start-up log."""
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
         failures = list(self._errors)
-        for launch, future in zip(self._plan.triton, self._futures, strict=True):
+        for launch, future in zip(self.launches, self._futures, strict=True):
             try:
                 future.result()
             except Exception as error:
@@ -287,12 +291,13 @@ class Precompile:
         seconds = time.perf_counter() - self._started
         attention = ", attention modules" if self._plan.attention is not None else ""
         failed = f", {len(failures)} failed" if failures else ""
-        return (f"{len(self._plan.triton)} Triton launches on {self._workers} processes"
+        return (f"{len(self.launches)} Triton launches on {self._workers} processes"
                 f"{attention}{failed}, {seconds:.1f} s after they started")  # fmt: skip
 
     def cancel(self) -> None:
         """Stop the pool (compiles not started are dropped; its processes exit)."""
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -19,6 +19,7 @@ from pegainfer.core.kernels.precompile import KernelLaunch, KernelPlan, StepBoun
 from pegainfer.core.kv.kv_cache import KVCache
 from pegainfer.core.model import Model
 from pegainfer.core.runner.forward_batch import ForwardBatch
+from pegainfer.core.runner.warmup import specializing_counts
 
 META = torch.device("meta")
 
@@ -36,9 +37,11 @@ class MetaAttention(PagedAttention):
         return out
 
 
-def meta_steps(bounds: StepBounds, recurrent: bool) -> list[ForwardBatch]:
+def meta_steps(
+    bounds: StepBounds, recurrent: bool, extra: frozenset[int] = frozenset()
+) -> list[ForwardBatch]:
     """Steps on the meta device that together make every size-dependent specialization: a
-    prompt of each of `bounds.token_counts()`, a decode batch of each count up to
+    prompt of each of `bounds.token_counts(extra)`, a decode batch of each count up to
     `max_num_seqs`, a chunk beside decodes, and for recurrent lines a chunk that restarts from a
     checkpoint and checkpoints mid-way (sequence slots 0.., the checkpoints' after
     `max_num_seqs`)."""
@@ -55,7 +58,7 @@ def meta_steps(bounds: StepBounds, recurrent: bool) -> list[ForwardBatch]:
                                   [True] * len(lengths), bs, META, state_slots=slots,
                                   **states)  # fmt: skip
 
-    counts = bounds.token_counts()
+    counts = bounds.token_counts(extra)
     steps = [batch([0], [n]) for n in counts]
     steps += [batch([bs + 3] * n, [1] * n) for n in counts if n <= bounds.max_num_seqs]
     chunk = 17
@@ -72,7 +75,8 @@ def record_step_launches(model: Model, bounds: StepBounds) -> tuple[KernelLaunch
     """The Triton launches of `model`'s forward (built on the meta device, with the ops and
     attention its CUDA steps use) over `meta_steps`, each specialization once."""
     specs, states = model.kv_arenas(bounds.block_size), model.state_arenas()
-    steps = meta_steps(bounds, bool(states))
+    extra = specializing_counts(model, bounds.max_num_batched_tokens)
+    steps = meta_steps(bounds, bool(states), extra)
     pages = max(sum(len(t) for t in step.block_tables_cpu) for step in steps)
     slots = bounds.max_num_seqs + 1 if states else 0
     cache = KVCache(specs, pages, META, states, slots)
@@ -86,12 +90,17 @@ def record_step_launches(model: Model, bounds: StepBounds) -> tuple[KernelLaunch
 def paged_kernel_plan(
     model: Model, dtype: torch.dtype, device: torch.device, bounds: StepBounds
 ) -> KernelPlan:
-    """The plan of a meta `model` served on `device`, for a line on `attention.paged` whose
-    model has `attention_shape` and `set_up_steps(runtime, attn, kernels)` (its step machinery
-    for `kernels`' device type): its forward's launches with `device`'s kernels, and its
-    paged attention's FlashInfer modules."""
+    """The plan of a line on `attention.paged` served on `device`, from its model built on the
+    meta device (`loading.weights.meta_model`: cheap) with `attention_shape` and
+    `set_up_steps(runtime, attn, kernels)` (its step machinery for `kernels`' device type):
+    the launches of its forward with `device`'s kernels (recorded when the plan is compiled),
+    and its paged attention's FlashInfer modules."""
     shape = model.attention_shape
-    model.set_up_steps(bounds.runtime(), MetaAttention(shape), device)
+
+    def launches() -> tuple[KernelLaunch, ...]:
+        model.set_up_steps(bounds.runtime(), MetaAttention(shape), device)
+        return record_step_launches(model, bounds)
+
     attention = partial(make_paged_attention, shape, dtype, device, 1, (),
                         bounds.decode_attention_tensor_cores)  # fmt: skip
-    return KernelPlan(record_step_launches(model, bounds), attention)
+    return KernelPlan(launches, attention)

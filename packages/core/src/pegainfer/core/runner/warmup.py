@@ -75,13 +75,17 @@ def warmup_token_counts(
     return sorted(counts)
 
 
+def specializing_counts(model: torch.nn.Module, limit: int) -> frozenset[int]:
+    """The counts, at most `limit`, the model's `SpecializesOnSteps` modules ask for."""
+    return frozenset().union(*(m.warmup_token_counts(limit) for m in model.modules()
+                               if isinstance(m, SpecializesOnSteps)))  # fmt: skip
+
+
 def module_token_counts(model: torch.nn.Module, shape: WarmupShape) -> frozenset[int]:
     """The counts the model's `SpecializesOnSteps` modules ask for, less the decode-graph
     buckets (capture ran steps of those sizes)."""
     limit = min(shape.max_num_batched_tokens, shape.max_model_len)
-    counts = frozenset().union(*(m.warmup_token_counts(limit) for m in model.modules()
-                                 if isinstance(m, SpecializesOnSteps)))  # fmt: skip
-    return counts - set(shape.graph_buckets)
+    return specializing_counts(model, limit) - set(shape.graph_buckets)
 
 
 def warmup_batches(
