@@ -19,6 +19,7 @@ from pegainfer.core.kernels.precompile import (
     Precompile,
     StepBounds,
     TensorArg,
+    compiled_marker,
     record_launches,
 )
 from pegainfer.core.model import ModelContext
@@ -105,28 +106,35 @@ def launched_kernels(package: str) -> set[str]:
     return names
 
 
-LINE_KERNELS = {
-    # line: (its line class, the packages whose kernels its steps launch)
-    "qwen3": ("pegainfer.models.qwen3.line:Qwen3Line", ["pegainfer.models.qwen3"]),
-    "qwen35": ("pegainfer.models.qwen35.line:Qwen35Line", ["pegainfer.models.qwen35"]),
-}
+# The routed MoE's kernels with routing in one kernel (DeepSeek-V2-Lite's greedy softmax).
+MOE = {"_route_kernel", "_dispatch_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"}
+LINES = {
+    # line: (its line class, tiny checkpoint overrides, the kernels its steps launch beyond
+    # core's layer ops)
+    "qwen3": ("pegainfer.models.qwen3.line:Qwen3Line", {},
+              lambda: launched_kernels("pegainfer.models.qwen3")),
+    "qwen35": ("pegainfer.models.qwen35.line:Qwen35Line", {},
+               lambda: launched_kernels("pegainfer.models.qwen35")),
+    # FlashInfer's MLA sizes (a latent of 512, a rope part of 64), as DeepSeek-V2's.
+    "deepseek": ("pegainfer.models.deepseek.line:DeepseekLine",
+                 {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
+                 lambda: MOE | {"_latent_input_kernel"}),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("line_name", sorted(LINE_KERNELS))
-def test_a_lines_plan_covers_every_kernel_its_package_and_layer_ops_launch(line_name, tmp_path):
-    path, packages = LINE_KERNELS[line_name]
+@pytest.mark.parametrize("line_name", sorted(LINES))
+def test_a_lines_plan_covers_every_kernel_its_steps_launch(line_name, tmp_path):
+    path, overrides, kernels = LINES[line_name]
     module, cls = path.split(":")
     line = getattr(importlib.import_module(module), cls)()
-    line.write_tiny_checkpoint(tmp_path)
+    line.write_tiny_checkpoint(tmp_path, **overrides)
     config = json.loads((tmp_path / "config.json").read_text())
     ctx = ModelContext(tmp_path, config, torch.bfloat16, torch.device("cuda"))
     bounds = StepBounds(16, 256, 8, (1, 2, 4, 8))
     plan = line.kernel_plan(ctx, bounds)
     launches = plan.launches()
     planned = {launch.name for launch in launches}
-    expected = {"_add_rms_norm_kernel", "_silu_and_mul_kernel"}  # core's layer ops
-    for package in packages:
-        expected |= launched_kernels(package)
+    expected = {"_add_rms_norm_kernel", "_silu_and_mul_kernel"} | kernels()
     assert expected <= planned, f"not in the plan: {sorted(expected - planned)}"
     assert plan.attention is not None
     # Deterministic: the same plan twice (the engine's ranks and a restart agree).
@@ -170,3 +178,25 @@ def test_failures_are_logged_and_left_to_the_first_launch(caplog):
     assert "pegainfer.core.kernels.norm._add_rms_norm_kernel" in caplog.text
     assert "no backend here" in caplog.text
     assert "1 failed" in plan_failed and "recording the Triton launches" in caplog.text
+
+
+def test_a_cache_marked_compiled_spawns_no_process(tmp_path, monkeypatch, caplog):
+    """Launches whose kernels a previous start compiled into this Triton cache (its marker is
+    there) are not compiled again; a failed compile leaves no marker, and another kernel source
+    or launch names another marker."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    flags = (("BLOCK", 256), ("HAS_RESIDUAL", False), ("ZERO_CENTRED", False))
+    args = (TensorArg(torch.bfloat16),) * 4 + (256, 256, 256, 256, 1e-6)
+    launch = KernelLaunch("pegainfer.core.kernels.norm", "_add_rms_norm_kernel", args, flags)
+    cpu = torch.device("cpu")
+    marker = compiled_marker((launch,), cpu)
+    assert marker.is_relative_to(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="pegainfer.core.kernels.precompile"):
+        Precompile.start(KernelPlan(lambda: (launch,)), 16, cpu).wait()  # fails: no driver
+    assert not marker.exists()
+    marker.parent.mkdir(parents=True)
+    marker.touch()
+    summary = Precompile.start(KernelPlan(lambda: (launch,)), 16, cpu).wait()
+    assert "1 Triton launches already in Triton's cache" in summary
+    other = KernelLaunch(launch.module, launch.name, args, (("BLOCK", 512), *flags[1:]))
+    assert compiled_marker((other,), cpu) != marker

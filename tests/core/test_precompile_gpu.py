@@ -42,15 +42,19 @@ class MadeKeys:
 
 
 def triton_key(launch: KernelLaunch) -> str:
-    """The key Triton's launch of `launch` looks its in-memory cache up by (`JITFunction.run`)."""
+    """The key Triton's launch of `launch` looks its in-memory cache up by (`JITFunction.run`:
+    the binder's specialization and options; newer Tritons through `compute_cache_key`)."""
     from triton import knobs
+    from triton.runtime import jit
     from triton.runtime.driver import driver
 
     kernel = launch.kernel()
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
-    binder = kernel.device_caches[driver.active.get_current_device()][3]
+    binder = kernel.device_caches[driver.active.get_current_device()][-1]
     _, specialization, options = binder(*launch.args, **kwargs)
+    if hasattr(jit, "compute_cache_key"):
+        return jit.compute_cache_key({}, specialization, options)
     return str(specialization) + str(options)
 
 

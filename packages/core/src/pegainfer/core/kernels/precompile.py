@@ -21,6 +21,7 @@ joins them before the KV-sizing step measures memory (the pool's processes have 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import logging
 import multiprocessing
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -212,6 +214,22 @@ def _compile(launch: KernelLaunch) -> None:
     launch.warmup()
 
 
+def compiled_marker(launches: tuple[KernelLaunch, ...], device: torch.device) -> Path:
+    """The file in Triton's cache directory that says these launches' kernels, as their source
+    is now, were compiled into it for `device`'s architecture by this Triton. A warm start finds
+    it and spawns no compile processes (each would import torch, seconds, to load what is
+    already there); a fresh machine's empty cache has none, and a changed kernel or launch
+    makes another name."""
+    import triton
+    from triton import knobs
+
+    target = (triton.__version__, torch.cuda.get_device_capability(device)
+              if device.type == "cuda" else device.type)  # fmt: skip
+    keys = sorted(repr((launch.key(), launch.kernel().cache_key)) for launch in launches)
+    digest = hashlib.sha256(repr((target, keys)).encode()).hexdigest()
+    return Path(knobs.cache.dir) / "pegainfer-precompiled" / digest
+
+
 class Precompile:
     """Compiles a line's `KernelPlan` in the background: `start` returns at once, `wait` joins.
 
@@ -226,9 +244,11 @@ class Precompile:
         self._device = device
         self.launches: tuple[KernelLaunch, ...] = ()  # once recorded
         self._pool: ProcessPoolExecutor | None = None
-        self._futures: list[Future[None]] = []
+        self._futures: list[tuple[KernelLaunch, Future[None]]] = []
         self._errors: list[str] = []
         self._workers = 0
+        self._marker: Path | None = None
+        self._in_cache = False  # the marker says the cache holds every launch's kernel
         self._started = time.perf_counter()
         self._threads = [
             threading.Thread(target=target, daemon=True, name=f"pegainfer-precompile-{name}")
@@ -262,12 +282,16 @@ class Precompile:
             return
         if not launches:
             return
+        self._marker = compiled_marker(launches, self._device)
+        if self._marker.exists():
+            self._in_cache = True
+            return
         # The CPUs but one (the engine's loading), at most one process per launch.
         self._workers = min(max(1, (os.cpu_count() or 2) - 1), len(launches))
         # Spawned, not forked: the engine process has threads and a CUDA context.
         context = multiprocessing.get_context("spawn")
         self._pool = ProcessPoolExecutor(self._workers, mp_context=context)
-        self._futures = [self._pool.submit(_compile, launch) for launch in launches]
+        self._futures = [(launch, self._pool.submit(_compile, launch)) for launch in launches]
 
     def wait(self) -> str:
         """Wait for every compile (the pool's processes exit). A compile that fails is logged
@@ -277,12 +301,15 @@ class Precompile:
         for thread in self._threads:
             thread.join()
         failures = list(self._errors)
-        for launch, future in zip(self.launches, self._futures, strict=True):
+        for launch, future in self._futures:
             try:
                 future.result()
             except Exception as error:
                 failures.append(f"{launch.module}.{launch.name}: {error!r}")
         self.cancel()
+        if self._futures and not failures:
+            self._marker.parent.mkdir(parents=True, exist_ok=True)
+            self._marker.touch()
         if failures:
             logger.warning(
                 "precompiling failed for %d of the kernels (they compile at their first launch "
@@ -291,8 +318,10 @@ class Precompile:
         seconds = time.perf_counter() - self._started
         attention = ", attention modules" if self._plan.attention is not None else ""
         failed = f", {len(failures)} failed" if failures else ""
-        return (f"{len(self.launches)} Triton launches on {self._workers} processes"
-                f"{attention}{failed}, {seconds:.1f} s after they started")  # fmt: skip
+        where = ("already in Triton's cache" if self._in_cache
+                 else f"on {self._workers} processes")  # fmt: skip
+        return (f"{len(self.launches)} Triton launches {where}{attention}{failed}, "
+                f"{seconds:.1f} s after they started")  # fmt: skip
 
     def cancel(self) -> None:
         """Stop the pool (compiles not started are dropped; its processes exit)."""

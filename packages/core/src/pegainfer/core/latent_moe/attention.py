@@ -15,6 +15,7 @@ from torch import nn
 
 from pegainfer.core.attention.latent import MultiHeadLatentAttention
 from pegainfer.core.distributed import parallel
+from pegainfer.core.kernels.dispatch import uses_cuda_kernels
 from pegainfer.core.latent_moe.config import LatentMoEConfig
 from pegainfer.core.loading.weights import empty_param
 from pegainfer.core.ops.interleaved_rope import InterleavedRope
@@ -104,7 +105,7 @@ class LatentAttention(nn.Module):
         if cfg.q_lora_rank is not None:
             q_lora = rms_norm(q, self.q_a_layernorm, LATENT_NORM_EPS)
             q = linear(q_lora, self.q_b_proj)
-        if x.is_cuda:
+        if uses_cuda_kernels(x):
             from pegainfer.core.kernels.latent_input import latent_input
         else:
             latent_input = latent_input_reference

@@ -168,9 +168,17 @@ class LatentMoEForCausalLM(Model):
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
-        self.rope = InterleavedRope(self.cfg.rope, runtime.max_model_len, device)
-        self.attn = make_latent_attention(self.latent_shape, dtype, device, runtime)
-        self.ops = layer_ops(device)
+        attn = make_latent_attention(self.latent_shape, dtype, device, runtime)
+        self.set_up_steps(runtime, attn, device)
+
+    def set_up_steps(
+        self, runtime: RuntimeConfig, attn: MultiHeadLatentAttention, kernels: torch.device
+    ) -> None:
+        """Rotary tables (on the model's device), `attn`, and the element-wise ops of the
+        `kernels` device type (CUDA's on a meta model: `kernel_plan`)."""
+        self.rope = InterleavedRope(self.cfg.rope, runtime.max_model_len, self.embed_tokens.device)
+        self.attn = attn
+        self.ops = layer_ops(kernels)
 
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pegainfer.core.kernels.dispatch import uses_cuda_kernels
 from pegainfer.core.quant.linear import dequantize
 from pegainfer.core.quant.scheme import WeightFormat
 
@@ -42,7 +43,7 @@ class ExpertWeights:
     ) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) over the experts held here, plus
         `shared` [T, H] when given (pairs routed to other experts contribute nothing)."""
-        if x.is_cuda:
+        if uses_cuda_kernels(x):
             from pegainfer.core.moe.kernels import fused_moe
 
             return fused_moe(x, weights, experts, self.gate_up, self.down, self.first, shared)
@@ -70,7 +71,7 @@ class QuantizedExpertWeights(ExpertWeights):
         experts: torch.Tensor,
         shared: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if x.is_cuda:
+        if uses_cuda_kernels(x):
             from pegainfer.core.moe.kernels import fused_moe
 
             scales = (self.gate_up_scale, self.down_scale)

@@ -20,6 +20,7 @@ from torch import nn
 
 from pegainfer.core.distributed import expert_parallel, parallel
 from pegainfer.core.errors import ConfigError
+from pegainfer.core.kernels.dispatch import uses_cuda_kernels
 from pegainfer.core.layer_ops import LayerOps
 from pegainfer.core.loading.weights import empty_param
 from pegainfer.core.moe.experts import ExpertWeights, QuantizedExpertWeights
@@ -157,7 +158,7 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, experts [T, k]) of the tokens x [T, H]."""
         routing, bias = self.routing, self.e_score_correction_bias
-        if x.is_cuda:
+        if uses_cuda_kernels(x):
             from pegainfer.core.moe import kernels
 
             if kernels.routes_in_a_kernel(routing):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pegainfer.core.errors import ConfigError
+from pegainfer.core.kernels.dispatch import uses_cuda_kernels
 from pegainfer.core.loading.weights import empty_param
 from pegainfer.core.ops import quant as ref
 from pegainfer.core.quant.scheme import Fp8Block, Int4Group, WeightFormat
@@ -45,7 +46,7 @@ class QuantLinear(nn.Module):
         return dequantize(*self.stored(), self.fmt, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if uses_cuda_kernels(x):
             from pegainfer.core.kernels import quant_gemm
 
             return quant_gemm.quant_linear(x, self)

@@ -14,7 +14,9 @@ from functools import partial
 
 import torch
 
+from pegainfer.core.attention.latent import LatentShape, make_latent_attention
 from pegainfer.core.attention.paged import PagedAttention, make_paged_attention
+from pegainfer.core.kernels.dispatch import meta_as_cuda
 from pegainfer.core.kernels.precompile import KernelLaunch, KernelPlan, StepBounds, record_launches
 from pegainfer.core.kv.kv_cache import KVCache
 from pegainfer.core.model import Model
@@ -25,7 +27,8 @@ META = torch.device("meta")
 
 
 class MetaAttention(PagedAttention):
-    """Paged attention of meta tensors: the output's shape and dtype, nothing computed."""
+    """Paged attention of meta tensors: the output's shape and dtype, nothing computed (no
+    Triton kernel runs inside attention; FlashInfer's modules are `KernelPlan.attention`)."""
 
     def plan(self, batch: ForwardBatch) -> None:
         pass
@@ -35,6 +38,26 @@ class MetaAttention(PagedAttention):
 
     def _attend(self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out
+
+
+class MetaLatentAttention:
+    """`MultiHeadLatentAttention` of meta tensors: the output's shape and dtype, nothing
+    computed (its forms run FlashInfer and torch, no Triton)."""
+
+    transient_bytes = 0
+    split = None
+
+    def __init__(self, shape: LatentShape) -> None:
+        self.shape = shape
+
+    def plan(self, batch: ForwardBatch) -> None:
+        pass
+
+    def plan_graph(self, batch: ForwardBatch, bucket: int) -> None:
+        pass
+
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, *caches: torch.Tensor) -> torch.Tensor:
+        return q_nope.new_empty(*q_nope.shape[:2], self.shape.value_dim)
 
 
 def meta_steps(
@@ -80,7 +103,7 @@ def record_step_launches(model: Model, bounds: StepBounds) -> tuple[KernelLaunch
     pages = max(sum(len(t) for t in step.block_tables_cpu) for step in steps)
     slots = bounds.max_num_seqs + 1 if states else 0
     cache = KVCache(specs, pages, META, states, slots)
-    with torch.inference_mode(), record_launches() as launches:
+    with torch.inference_mode(), meta_as_cuda(), record_launches() as launches:
         for step in steps:
             model.prepare(step)
             model(step, cache)
@@ -104,3 +127,20 @@ def paged_kernel_plan(
     attention = partial(make_paged_attention, shape, dtype, device, 1, (),
                         bounds.decode_attention_tensor_cores)  # fmt: skip
     return KernelPlan(launches, attention)
+
+
+def latent_kernel_plan(
+    model: Model, dtype: torch.dtype, device: torch.device, bounds: StepBounds
+) -> KernelPlan:
+    """`paged_kernel_plan` for a line on core's latent-attention MoE decoder
+    (`latent_moe.model`): its model built on the meta device has `latent_shape` and
+    `set_up_steps`; the attention is its MLA's FlashInfer modules (the absorbed and the
+    expanded form's)."""
+    shape = model.latent_shape
+
+    def launches() -> tuple[KernelLaunch, ...]:
+        model.set_up_steps(bounds.runtime(), MetaLatentAttention(shape), device)
+        return record_step_launches(model, bounds)
+
+    attention = partial(make_latent_attention, shape, dtype, device, bounds.runtime())
+    return KernelPlan(launches, attention if shape.flashinfer_supported else None)

@@ -10,6 +10,7 @@ from pegainfer.core.errors import ConfigError
 from pegainfer.core.model_line import ModelLine, Probe
 
 if TYPE_CHECKING:
+    from pegainfer.core.kernels.precompile import KernelPlan, StepBounds
     from pegainfer.core.latent_moe.config import LatentMoEConfig
     from pegainfer.core.model import Model, ModelContext
 
@@ -44,6 +45,20 @@ class DeepseekLine(ModelLine):
             lambda: LatentMoEForCausalLM(cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel),
             ctx,
         )
+
+    def kernel_plan(self, ctx: ModelContext, bounds: StepBounds) -> KernelPlan:
+        from dataclasses import replace
+
+        from pegainfer.core.latent_moe.model import LatentMoEForCausalLM
+        from pegainfer.core.loading.weights import meta_model
+        from pegainfer.core.runner.meta_steps import latent_kernel_plan
+
+        # A dense layer and a MoE layer launch what every layer of their kind does.
+        cfg = deepseek_v2_config(ctx.config)
+        cfg = replace(cfg, num_layers=min(cfg.num_layers, cfg.first_k_dense_replace + 1))
+        model = meta_model(lambda: LatentMoEForCausalLM(cfg, ctx.parallel, ctx.expert_parallel,
+                                                        ctx.data_parallel), ctx.dtype)  # fmt: skip
+        return latent_kernel_plan(model, ctx.dtype, ctx.device, bounds)
 
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any

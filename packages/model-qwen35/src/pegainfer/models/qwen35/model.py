@@ -30,6 +30,7 @@ from torch import nn
 from pegainfer.core.attention.paged import GQAShape, PagedAttention, make_paged_attention
 from pegainfer.core.distributed import parallel
 from pegainfer.core.errors import ConfigError
+from pegainfer.core.kernels.dispatch import uses_cuda_kernels
 from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache, StateSpec
 from pegainfer.core.layer_ops import LayerOps, layer_ops
 from pegainfer.core.loading.weights import WeightTarget, empty_param
@@ -137,12 +138,10 @@ class GatedAttention(nn.Module):
         kv_layer: torch.Tensor,
         rope: RotaryEmbedding,
         attn: PagedAttention,
-        kernels: bool,
     ) -> torch.Tensor:
-        """`kernels`: through the CUDA kernels (else the torch reference)."""
         cfg, tokens = self.cfg, x.shape[0]
         qkv = F.linear(x, self.qkv_proj)
-        if kernels:  # the same function in two fused kernels around FlashInfer
+        if uses_cuda_kernels(qkv):  # the same function in two fused kernels around FlashInfer
             fused = _fused_attention()
             q = fused.qk_norm_rope_kv_write(
                 qkv, self.q_norm, self.k_norm, rope.cos, rope.sin, batch.positions,
@@ -359,7 +358,6 @@ class Qwen35ForCausalLM(Model):
         self.rope: RotaryEmbedding | None = None
         self.attn: PagedAttention | None = None
         self.ops: LayerOps | None = None
-        self._kernels = False  # whether steps run the CUDA kernels (`set_up_steps`)
         self._decode_bounds: torch.Tensor | None = None
         # The step `prepare`/`prepare_graph` planned: the DeltaNet kernels' walk (CUDA), and
         # whether it replays a graph (states then only continue: nothing to start).
@@ -396,11 +394,6 @@ class Qwen35ForCausalLM(Model):
         ]
 
     @property
-    def runs_kernels(self) -> bool:
-        """Whether steps run the CUDA kernels (else the torch references)."""
-        return self._kernels
-
-    @property
     def attention_shape(self) -> GQAShape:
         return GQAShape(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
 
@@ -418,8 +411,7 @@ class Qwen35ForCausalLM(Model):
         """Rotary tables and graph buffers (on the model's device), `attn`, and the ops of the
         `kernels` device type (CUDA's on a meta model: `kernel_plan`)."""
         cfg, device = self.cfg, self.embed_tokens.device
-        self._kernels = kernels.type == "cuda"
-        if self._kernels and cfg.conv_kernel != 4:
+        if kernels.type == "cuda" and cfg.conv_kernel != 4:
             raise ConfigError(f"the CUDA conv kernel takes width 4, not {cfg.conv_kernel}")
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, runtime.max_model_len, device)
         self.attn = attn
@@ -447,7 +439,8 @@ class Qwen35ForCausalLM(Model):
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
         self.attn.plan(batch)
-        self._step = DeltaNetStep.of(batch, self._decode_bounds) if self._kernels else None
+        cuda = uses_cuda_kernels(batch.input_ids)
+        self._step = DeltaNetStep.of(batch, self._decode_bounds) if cuda else None
         self._replaying = False
 
     def prepare_graph(self, batch: ForwardBatch, bucket: int) -> None:
@@ -559,7 +552,7 @@ class Qwen35ForCausalLM(Model):
             x, residual = ops_.add_rms_norm(hidden, residual, layer.input_layernorm, eps, True)
             n = self._cache_index[index]
             if layer.kind == FULL:
-                hidden = layer.self_attn(x, batch, kv[n], rope, attn, self._kernels)
+                hidden = layer.self_attn(x, batch, kv[n], rope, attn)
             else:
                 hidden = layer.linear_attn(x, batch, conv[n], recurrent[n], self._step)
             x, residual = ops_.add_rms_norm(

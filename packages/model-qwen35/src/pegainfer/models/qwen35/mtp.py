@@ -72,7 +72,7 @@ class Qwen35MTP(nn.Module):
             rms_norm.rms_norm(hidden, self.pre_fc_norm_hidden, eps, True),
         ], dim=-1)  # fmt: skip
         x, residual = ops.add_rms_norm(F.linear(x, self.fc), None, layer.input_layernorm, eps, True)
-        x = layer.self_attn(x, batch, kv, target.rope, target.attn, target.runs_kernels)
+        x = layer.self_attn(x, batch, kv, target.rope, target.attn)
         x, residual = ops.add_rms_norm(x, residual, layer.post_attention_layernorm, eps, True)
         out, _ = ops.add_rms_norm(layer.mlp(x, ops), residual, self.norm, eps, True)
         return out
