@@ -42,7 +42,11 @@ W8A8_MIN_ROWS = 64
 
 @cache
 def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Streaming multiprocessors of `device`; of the current CUDA device for a meta tensor's
+    (a kernel plan recording what this process's GPU will launch: `kernels/precompile.py`)."""
+    return torch.cuda.get_device_properties(
+        torch.cuda.current_device() if device.type == "meta" else device
+    ).multi_processor_count
 
 
 @triton.jit

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from pegainfer.models.kimi_k2.config import KimiCheckpoint
 from pegainfer.models.kimi_k2.tokenizer import TIKTOKEN_FILE, load_kimi_tokenizer
 
 if TYPE_CHECKING:
+    from pegainfer.core.kernels.precompile import KernelPlan, StepBounds
     from pegainfer.core.model import Model, ModelContext
 
 _JINJA_COMMENT = re.compile(r"\{#.*?#\}", re.DOTALL)
@@ -46,6 +48,25 @@ class KimiK2Line(ModelLine):
 
     def build_model(self, ctx: ModelContext) -> Model:
         from pegainfer.core.loading.weights import build_and_load
+
+        ctx, make = self._model_maker(ctx)
+        return build_and_load(make, ctx)
+
+    def kernel_plan(self, ctx: ModelContext, bounds: StepBounds) -> KernelPlan:
+        from pegainfer.core.loading.weights import meta_model
+        from pegainfer.core.runner.meta_steps import latent_kernel_plan
+
+        # A dense layer and a MoE layer launch what every layer of their kind does.
+        ctx, make = self._model_maker(ctx, layers_of_each_kind=True)
+        return latent_kernel_plan(meta_model(make, ctx.dtype), ctx.dtype, ctx.device, bounds)
+
+    @staticmethod
+    def _model_maker(
+        ctx: ModelContext, layers_of_each_kind: bool = False
+    ) -> tuple[ModelContext, Callable[[], Model]]:
+        """The context to load `ctx`'s checkpoint in (its config as the loader reads it) and
+        the function that builds its model (with `layers_of_each_kind`: a dense and a MoE
+        layer only)."""
         from pegainfer.core.quant.scheme import parse_quantization
         from pegainfer.models.kimi_k2.model import KimiK2ForCausalLM
 
@@ -54,12 +75,13 @@ class KimiK2Line(ModelLine):
             raise ConfigError(checkpoint)
         ctx = dataclasses.replace(ctx, config=checkpoint.loading_config(ctx.config))
         cfg, scheme = checkpoint.model_config(), parse_quantization(ctx.config)
-        return build_and_load(
-            lambda: KimiK2ForCausalLM(
-                cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel, scheme,
-                checkpoint.weight_prefix,
-            ),
-            ctx,
+        if layers_of_each_kind:
+            cfg = dataclasses.replace(
+                cfg, num_layers=min(cfg.num_layers, cfg.first_k_dense_replace + 1)
+            )
+        return ctx, lambda: KimiK2ForCausalLM(
+            cfg, ctx.parallel, ctx.expert_parallel, ctx.data_parallel, scheme,
+            checkpoint.weight_prefix,
         )  # fmt: skip
 
     def load_tokenizer(self, tokenizer_dir: Path) -> Tokenizer:
