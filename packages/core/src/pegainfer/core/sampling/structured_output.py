@@ -9,9 +9,16 @@ the batch (`grammar_mask.py`, the step's side). A constrained request needs its 
 on the host before its next mask, so the engine brings pending tokens home first under async
 scheduling.
 
-This module needs no torch: the HTTP server compiles and checks grammars with it too (on its
-frontend threads, before a request is sent), and that process never imports torch.
-llguidance compiles in native code outside the GIL, so neither process's loop waits on it.
+Where grammars compile: llguidance (unlike xgrammar) imports no torch, and neither does this
+module, so the HTTP server compiles each request's grammar in its own process, on its frontend
+threads, before the request is sent: a grammar that fails against the tokenizer, or on its
+first mask, is a 400 before a stream's status line, and the HTTP process stays torch-free.
+The engine process compiles it again on its loop's grammar threads (a matcher cannot cross
+the pipe), never on the step loop's thread; llguidance compiles in native code outside the
+GIL, so neither process's loop waits on it. The price is memory: each process builds
+llguidance's view of the tokenizer on its first grammar (~120 MiB for Qwen3's vocabulary, per
+set of EOS tokens), where compiling only in the engine would need the server to wait for the
+engine's verdict before answering.
 """
 
 from __future__ import annotations
