@@ -361,18 +361,22 @@ class EngineCore:
         self._startup.mark("KV cache allocated")
         if self.ranks is None:  # parallel ranks' forwards need a plan the workers follow
             _check_forward(line, self.runner, args.block_size, bool(states))
+        captured: tuple[int, ...] = ()  # the decode graphs' buckets captured before serving
         if buckets:
             tokens = token_buckets(args.max_num_batched_tokens) if mixed_graphs else ()
-            graph_spec = GraphSpec(buckets, num_blocks, num_slots - 1 if states else None, tokens)
+            # One process captures the rest of the decode graphs while it serves.
+            graph_spec = GraphSpec(buckets, num_blocks, num_slots - 1 if states else None, tokens,
+                                   lazy=self.ranks is None)  # fmt: skip
             if self.ranks is not None:
                 self.ranks.capture_graphs(graph_spec)
             self.runner.capture(graph_spec)
-            self._startup.mark(f"{len(buckets)} decode graphs and {len(tokens)} mixed-step "
-                               "graphs captured")  # fmt: skip
+            captured = self.runner.graphs.captured
+            self._startup.mark(f"{len(captured)} of {len(buckets)} decode graphs and "
+                               f"{len(tokens)} mixed-step graphs captured")  # fmt: skip
         if cuda and self.ranks is None:  # parallel ranks' steps need plans (as for the check)
             warmup = WarmupShape(args.block_size, args.max_num_batched_tokens, max_model_len,
                                  args.max_num_seqs, num_blocks, bool(states), checkpoints,
-                                 buckets)  # fmt: skip
+                                 captured)  # fmt: skip
             self._startup.mark(f"warm-up: {warm_up(self.runner, warmup)} eager steps")
             watch_late_compiles()
         self.config = EngineConfig(
@@ -496,6 +500,15 @@ class EngineCore:
             tier.nbytes / _GIB,
         )
         return tier
+
+    def capture_pending_graph(self) -> bool:
+        """Capture one decode graph not captured yet (an idle loop's work; steps capture the
+        bucket they need themselves); whether there was one."""
+        graphs = self.runner.graphs if self.runner is not None else None
+        if graphs is None or not graphs.pending:
+            return False
+        graphs.capture_next()
+        return True
 
     def notify_on_rank_failure(self, callback: Callable[[], None]) -> None:
         """Call `callback` (from another thread) if a parallel rank fails mid-run."""

@@ -134,7 +134,10 @@ class EngineLoop:
         self.engine.notify_on_rank_failure(lambda: self._inbox.put(None))
         try:
             while True:
-                for message in self._receive(block=not self.engine.has_unfinished_requests):
+                # Idle: capture a decode graph still missing before waiting for work.
+                idle = not self.engine.has_unfinished_requests
+                block = idle and not self.engine.capture_pending_graph()
+                for message in self._receive(block=block):
                     if isinstance(message, Shutdown):
                         return
                     outputs.extend(self._handle(message))

@@ -11,6 +11,13 @@ reserved dummy slot, and steps where a state starts or is checkpointed run eager
 With data-parallel attention every rank replays the bucket rank 0 chose for the step (the
 ranks' collectives must match) and rank 0's forward returns every rank's `bucket` rows of
 logits, of which a step keeps each rank's real ones.
+
+Capturing every bucket costs 40-60 ms each (35 buckets: 1.4-2.2 s of a start). A single
+process may capture only `first_buckets(...)` before it serves (the smallest ones and the
+largest, so every decode step has a graph to pad up to) and the rest later: a step whose own
+bucket is still missing captures it first (`capture_missing`), and an idle engine captures the
+others (`capture_next`), largest first. Parallel ranks capture every bucket up front: their
+graphs hold collectives, captured in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +39,13 @@ def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
     buckets = {b for b in (1, 2, 4, 8) if b <= max_num_seqs}
     buckets |= set(range(16, max_num_seqs + 1, 8)) | {max_num_seqs}
     return tuple(sorted(buckets))
+
+
+def first_buckets(buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The buckets captured before serving when the rest may wait: up to 8 rows (a few
+    streams' decodes, the common case at first), and the largest (any decode step pads up to
+    it until its own is captured)."""
+    return tuple(sorted({b for b in buckets if b <= 8} | {max(buckets)}))
 
 
 class DecodeGraphs:
@@ -57,18 +71,30 @@ class DecodeGraphs:
         self._pad = torch.tensor([0, 0, dummy_block * block_size, dummy_slot or 0], device=device)
         self._inputs.copy_(self._pad[:, None].expand(-1, largest))
         self._rows = torch.arange(largest, device=device)
-        # The largest bucket's logits, sized by its warm-up (with data-parallel attention,
-        # every rank's rows on rank 0 and none on the others).
+        # The largest bucket's logits, sized by the first warm-up (with data-parallel
+        # attention, every rank's rows on rank 0 and none on the others).
         self._logits: torch.Tensor | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._captured: list[int] = []  # sorted
+        self._pool = None  # the graphs' shared memory pool, once one is captured
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(self._captured)
 
     @property
     def max_batch(self) -> int:
-        return self.buckets[-1]
+        """The largest bucket captured."""
+        return self._captured[-1]
+
+    @property
+    def pending(self) -> list[int]:
+        """The buckets not captured yet, largest first."""
+        return sorted(set(self.buckets) - set(self._captured), reverse=True)
 
     def bucket_for(self, num_seqs: int) -> int:
-        """The smallest bucket that holds `num_seqs` rows (at most `max_batch`)."""
-        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+        """The smallest captured bucket that holds `num_seqs` rows (at most `max_batch`)."""
+        return self._captured[bisect.bisect_left(self._captured, num_seqs)]
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Pure decode, every row sampling, within the largest bucket, no state starting (with
@@ -84,24 +110,46 @@ class DecodeGraphs:
             and not restarts
         )
 
-    def capture(self) -> None:
-        pool = None
-        for bucket in reversed(self.buckets):
-            batch = self._padded(bucket, [], [], [])
-            self.model.prepare_graph(batch, bucket)
-            # Warm-up: compiles kernels, settles allocations.
-            warm = self.model(batch, self.kv_cache)
-            if self._logits is None:
-                self._logits = torch.empty_like(warm)
-            del warm
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(batch, self.kv_cache)
-                self._logits[: logits.shape[0]].copy_(logits)
-            pool = graph.pool()
-            self._graphs[bucket] = graph
+    def capture(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Capture `buckets` (default: every one), largest first."""
+        for bucket in sorted(buckets or self.buckets, reverse=True):
+            self._capture(bucket)
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", list(self.buckets))
+        logger.info("captured decode CUDA graphs for batch sizes %s%s", self._captured,
+                    f" ({len(self.pending)} more later)" if self.pending else "")  # fmt: skip
+
+    def capture_next(self) -> None:
+        """Capture the largest bucket not captured yet (an idle engine's work)."""
+        self._capture(self.pending[0])
+        torch.cuda.synchronize()
+
+    def capture_missing(self, batch: ForwardBatch) -> None:
+        """Capture the bucket of a decode step of `batch`'s size, if it is still missing."""
+        if batch.data_parallel is not None or batch.num_seqs > self.buckets[-1]:
+            return  # data-parallel ranks capture every bucket up front
+        bucket = self.buckets[bisect.bisect_left(self.buckets, batch.num_seqs)]
+        if bucket not in self._graphs:
+            self._capture(bucket)
+
+    def _capture(self, bucket: int) -> None:
+        # Padding rows only (a replay leaves real rows' ids, positions and slots behind):
+        # the warm-up and the capture write the dummy block and slot alone.
+        self._inputs[:, :bucket].copy_(self._pad[:, None].expand(-1, bucket))
+        batch = self._padded(bucket, [], [], [])
+        self.model.prepare_graph(batch, bucket)
+        # Warm-up: compiles kernels, settles allocations.
+        warm = self.model(batch, self.kv_cache)
+        if self._logits is None:  # rows for the largest bucket (every rank's, per bucket row)
+            rows = warm.shape[0] // bucket * self.buckets[-1]
+            self._logits = warm.new_empty(rows, *warm.shape[1:])
+        del warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model(batch, self.kv_cache)
+            self._logits[: logits.shape[0]].copy_(logits)
+        self._pool = graph.pool()
+        self._graphs[bucket] = graph
+        bisect.insort(self._captured, bucket)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_seqs, vocab] of a pure-decode batch, by replaying its bucket's graph

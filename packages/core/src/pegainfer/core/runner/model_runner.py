@@ -18,7 +18,7 @@ import torch
 from pegainfer.core.engine.step_plan import StepPlan
 from pegainfer.core.kv.kv_cache import KVCache
 from pegainfer.core.model import Model
-from pegainfer.core.runner.cuda_graphs import DecodeGraphs
+from pegainfer.core.runner.cuda_graphs import DecodeGraphs, first_buckets
 from pegainfer.core.runner.forward_batch import Feed, ForwardBatch
 from pegainfer.core.runner.piecewise_graphs import MixedGraphs
 
@@ -42,6 +42,9 @@ class GraphSpec:
     dummy_block: int
     dummy_slot: int | None
     token_buckets: tuple[int, ...] = ()
+    #: Capture only `first_buckets` now, the rest when a step or an idle engine needs them
+    #: (one process only: parallel ranks' graphs hold collectives captured in step).
+    lazy: bool = False
 
 
 class ModelRunner:
@@ -67,7 +70,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             model, cache, spec.buckets, block, size, self.device, spec.dummy_slot
         )
-        self.graphs.capture()
+        self.graphs.capture(first_buckets(spec.buckets) if spec.lazy else None)
         if spec.token_buckets:
             self.mixed_graphs = MixedGraphs(
                 model, cache, spec.token_buckets, block, size, self.device
@@ -91,6 +94,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The logits of `batch.logits_indices`' rows (none on ranks that compute no logits)."""
         if self.graphs is not None and self.graphs.can_run(batch):
+            self.graphs.capture_missing(batch)
             return self.graphs.run(batch)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
             return self.mixed_graphs.run(batch)
