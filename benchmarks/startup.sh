@@ -3,7 +3,8 @@
 #   source .gpu/on-device.sh && PEGAINFER_REVISION=REV bash benchmarks/startup.sh
 # tests:   the GPU tests of the start-up work (shared FlashInfer plan buffers; no Triton
 #          specialization made after the warm-up; weights through page-locked staging; the
-#          steps launch only what the kernel plan precompiled);
+#          steps launch only what the kernel plan precompiled; decode graphs captured while
+#          serving decode as ones captured up front);
 # startup: per model line (SHAPES: Qwen3-4B, Qwen3.5-4B, DeepSeek-V2-Lite shapes with random
 #          weights from make-checkpoint), `pegainfer-bench startup`: COLD_RUNS starts with empty
 #          FlashInfer, Triton and CUDA kernel caches and the page cache dropped (the first also
@@ -40,7 +41,8 @@ for stage in $STAGES; do
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/core/test_plan_buffers_gpu.py \
         tests/core/test_warmup_gpu.py tests/core/test_staging_gpu.py \
-        tests/core/test_kv_sizing_gpu.py tests/core/test_precompile_gpu.py ${MORE_TESTS:-} \
+        tests/core/test_kv_sizing_gpu.py tests/core/test_precompile_gpu.py \
+        tests/core/test_lazy_graphs_gpu.py ${MORE_TESTS:-} \
         > "$OUT/tests.log" 2>&1
       echo "tests: exit $? ($(tail -1 "$OUT/tests.log"))"
       ;;

@@ -174,7 +174,7 @@ def test_failures_are_logged_and_left_to_the_first_launch(caplog):
         summary = Precompile.start(KernelPlan(lambda: (launch,), broken), 16,
                                    torch.device("cpu")).wait()  # fmt: skip
         plan_failed = Precompile.start(KernelPlan(broken), 16, torch.device("cpu")).wait()
-    assert "1 Triton launches on 1 processes" in summary and "2 failed" in summary
+    assert "1 Triton launches compiled on 1 processes" in summary and "2 failed" in summary
     assert "pegainfer.core.kernels.norm._add_rms_norm_kernel" in caplog.text
     assert "no backend here" in caplog.text
     assert "1 failed" in plan_failed and "recording the Triton launches" in caplog.text

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -235,7 +235,8 @@ class Precompile:
 
     One thread builds the attention modules (FlashInfer's JIT runs nvcc and ninja as
     subprocesses: the longest compile, so it starts first); another records the Triton
-    launches and hands them to a pool of spawned processes.
+    launches, compiles them on a pool of spawned processes unless Triton's cache holds them
+    already (`compiled_marker`), then loads each into this process.
     """
 
     def __init__(self, plan: KernelPlan, block_size: int, device: torch.device) -> None:
@@ -244,10 +245,10 @@ class Precompile:
         self._device = device
         self.launches: tuple[KernelLaunch, ...] = ()  # once recorded
         self._pool: ProcessPoolExecutor | None = None
-        self._futures: list[tuple[KernelLaunch, Future[None]]] = []
+        self._lock = threading.Lock()
+        self._cancelled = False
         self._errors: list[str] = []
         self._workers = 0
-        self._marker: Path | None = None
         self._in_cache = False  # the marker says the cache holds every launch's kernel
         self._started = time.perf_counter()
         self._threads = [
@@ -282,34 +283,51 @@ class Precompile:
             return
         if not launches:
             return
-        self._marker = compiled_marker(launches, self._device)
-        if self._marker.exists():
-            self._in_cache = True
-            return
+        marker = compiled_marker(launches, self._device)
+        self._in_cache = marker.exists()
+        failed = set() if self._in_cache else self._compile_in_pool(launches)
+        if not self._in_cache and not failed:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        # Load each compiled kernel into this process (Triton's disk cache to its launch
+        # cache: milliseconds each), so the engine's first steps find them there.
+        for launch in launches:
+            if launch.key() in failed or self._cancelled:
+                continue
+            try:
+                launch.warmup()
+            except Exception as error:
+                self._errors.append(f"loading {launch.module}.{launch.name}: {error!r}")
+
+    def _compile_in_pool(self, launches: tuple[KernelLaunch, ...]) -> set[tuple[Any, ...]]:
+        """Compile `launches` on spawned processes; the keys of those that failed."""
         # The CPUs but one (the engine's loading), at most one process per launch.
         self._workers = min(max(1, (os.cpu_count() or 2) - 1), len(launches))
         # Spawned, not forked: the engine process has threads and a CUDA context.
         context = multiprocessing.get_context("spawn")
-        self._pool = ProcessPoolExecutor(self._workers, mp_context=context)
-        self._futures = [(launch, self._pool.submit(_compile, launch)) for launch in launches]
-
-    def wait(self) -> str:
-        """Wait for every compile (the pool's processes exit). A compile that fails is logged
-        and left to the step that launches the kernel (which compiles it, or raises the same
-        error there): precompiling saves time, it decides nothing. Returns what was compiled,
-        for the start-up log."""
-        for thread in self._threads:
-            thread.join()
-        failures = list(self._errors)
-        for launch, future in self._futures:
+        with self._lock:
+            if self._cancelled:
+                return {launch.key() for launch in launches}
+            self._pool = ProcessPoolExecutor(self._workers, mp_context=context)
+        futures = [(launch, self._pool.submit(_compile, launch)) for launch in launches]
+        failed = set()
+        for launch, future in futures:
             try:
                 future.result()
             except Exception as error:
-                failures.append(f"{launch.module}.{launch.name}: {error!r}")
-        self.cancel()
-        if self._futures and not failures:
-            self._marker.parent.mkdir(parents=True, exist_ok=True)
-            self._marker.touch()
+                failed.add(launch.key())
+                self._errors.append(f"{launch.module}.{launch.name}: {error!r}")
+        self._pool.shutdown(wait=True)
+        return failed
+
+    def wait(self) -> str:
+        """Wait for every compile and load (the pool's processes exit). A compile that fails
+        is logged and left to the step that launches the kernel (which compiles it, or raises
+        the same error there): precompiling saves time, it decides nothing. Returns what was
+        compiled, for the start-up log."""
+        for thread in self._threads:
+            thread.join()
+        failures = self._errors
         if failures:
             logger.warning(
                 "precompiling failed for %d of the kernels (they compile at their first launch "
@@ -319,14 +337,15 @@ class Precompile:
         attention = ", attention modules" if self._plan.attention is not None else ""
         failed = f", {len(failures)} failed" if failures else ""
         where = ("already in Triton's cache" if self._in_cache
-                 else f"on {self._workers} processes")  # fmt: skip
+                 else f"compiled on {self._workers} processes")  # fmt: skip
         return (f"{len(self.launches)} Triton launches {where}{attention}{failed}, "
                 f"{seconds:.1f} s after they started")  # fmt: skip
 
     def cancel(self) -> None:
-        """Stop the pool (compiles not started are dropped; its processes exit)."""
+        """Stop compiling (compiles not started are dropped; the pool's processes exit)."""
+        with self._lock:
+            self._cancelled = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
         for thread in self._threads:
             thread.join()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
