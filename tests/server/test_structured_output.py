@@ -13,6 +13,7 @@ import pytest
 
 from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
 from pegainfer.core.text.tokenizer import Tokenizer
+from pegainfer.server.structured import ascii_digits
 from tests.server.helpers import assert_error, assert_serving, sse_payloads
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "warm"],
@@ -102,3 +103,20 @@ def test_a_grammar_failing_mid_generation_ends_with_an_error_not_stop(server, st
     # The client is told why, not only that the engine failed.
     assert "grammar failed after" in response.text
     assert_serving(server.url)
+
+
+@pytest.mark.parametrize(
+    ("regex", "expected"),
+    [
+        (r"\d+", "[0-9]+"),
+        (r"[\d.]+", "[0-9.]+"),
+        (r"[^\d]", "[^0-9]"),
+        (r"[]\d]", "[]0-9]"),
+        (r"\D\\d", r"[^0-9]\\d"),
+        (r"a\.b\w", r"a\.b\w"),
+    ],
+)
+def test_a_regex_digit_class_means_ascii_digits(regex, expected):
+    """`\\d` in a regex is [0-9], as vLLM's xgrammar and JSON Schema read it; an escaped
+    backslash before a `d` is left alone."""
+    assert ascii_digits(regex) == expected

@@ -93,6 +93,9 @@ def sampling_params(
         "logprobs": logprobs,
         "prompt_logprobs": request.prompt_logprobs,
     }
+    if request.stream_options is not None and not request.stream:
+        # As vLLM and OpenAI: the options shape a stream; without one they are a mistake.
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
     if request.prompt_logprobs is not None and request.stream:
         # As vLLM: a prompt's scores come whole, with the first output, not streamed.
         raise bad_request("prompt_logprobs are not available when streaming", "prompt_logprobs")
@@ -116,11 +119,14 @@ def _structured(request: Any, forced: StructuredOutput | None) -> StructuredOutp
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's logit_bias keys are token ids written as strings."""
-    try:
-        return {int(token): float(value) for token, value in (bias or {}).items()}
-    except ValueError:
-        raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+    """OpenAI's logit_bias keys are token ids written as strings; every key that is not one is
+    named in the error, not only the first."""
+    bias = bias or {}
+    wrong = [token for token in bias if not token.strip().lstrip("-").isdigit()]
+    if wrong:
+        names = ", ".join(repr(token) for token in wrong)
+        raise bad_request(f"logit_bias keys must be token ids, not {names}", "logit_bias")
+    return {int(token): float(value) for token, value in bias.items()}
 
 
 def _bad_words(client: AsyncEngineClient, words: list[str] | None) -> list[list[int]]:
@@ -204,6 +210,14 @@ def usage(
     cached = sum(s.num_cached_tokens for s in streams[::n])
     details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens)
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached), details)
+
+
+def _before_tokens(counted: Usage, num_tokens: int) -> Usage:
+    """`counted` as it stood `num_tokens` completion tokens earlier."""
+    completion = counted.completion_tokens - num_tokens
+    return msgspec.structs.replace(
+        counted, completion_tokens=completion, total_tokens=counted.prompt_tokens + completion
+    )
 
 
 MAX_N = 64
@@ -355,9 +369,12 @@ async def sse_stream(
         async for index, stream, delta in merged(client, requests, reservation):
             first = index not in streams
             streams[index] = stream
-            for chunk in chunks(index, delta, first):
+            out = chunks(index, delta, first)
+            for position, chunk in enumerate(out):
                 if continuous:
                     chunk.usage = usage([stream])
+                    if position < len(out) - 1:  # chat's role chunk: before the delta's tokens
+                        chunk.usage = _before_tokens(chunk.usage, len(delta.token_ids))
                 yield sse(chunk)
     except (ServerBusyError, EngineFailedError, ClientTooSlowError) as exc:
         yield b"data: " + translate_engine_errors(exc).body() + b"\n\n"

@@ -33,7 +33,47 @@ def _json_schema(value: Any, field: str) -> StructuredOutput:
 def _text(value: Any, field: str, kind: str) -> StructuredOutput:
     if not isinstance(value, str) or not value:
         raise bad_request(f"{field} must be a non-empty string", field)
-    return StructuredOutput(kind=kind, spec=value)  # type: ignore[arg-type]
+    spec = ascii_digits(value) if kind == "regex" else value
+    return StructuredOutput(kind=kind, spec=spec)  # type: ignore[arg-type]
+
+
+def ascii_digits(regex: str) -> str:
+    """`regex` with `\\d` meaning the ASCII digits, as vLLM's default backend (xgrammar) and
+    JSON Schema's ECMAScript patterns read it. llguidance reads `\\d` as any Unicode decimal
+    digit, so a random model asked for an IP address writes NKo and outlined digits. `\\D`
+    outside a class becomes `[^0-9]`; inside one it is left as it is."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\" and i + 1 < len(regex):
+            escaped = regex[i + 1]
+            if escaped == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif escaped == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(regex[i : i + 2])
+            i += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+            out.append(char)
+            i += 1
+            # A `]` right after `[` or `[^` is a literal, not the class's end.
+            if regex.startswith("^", i):
+                out.append("^")
+                i += 1
+            if regex.startswith("]", i):
+                out.append("]")
+                i += 1
+            continue
+        if char == "]" and in_class:
+            in_class = False
+        out.append(char)
+        i += 1
+    return "".join(out)
 
 
 def _choice(value: Any, field: str) -> StructuredOutput:
