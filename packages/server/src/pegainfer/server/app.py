@@ -88,6 +88,11 @@ def _json(payload: msgspec.Struct | dict[str, Any], status: int = 200) -> Respon
 
 def build_app(state: ServerState) -> Starlette:
     async def read_json(request: Request) -> dict[str, Any]:
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not _is_json(content_type):
+            # As vLLM: a form (curl -d without a header) is refused, not read as JSON.
+            clipped = _clip(content_type)
+            raise bad_request(f"the body must be JSON (application/json), not {clipped!r}")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
             raise _too_large(state.max_body_bytes)
@@ -359,6 +364,11 @@ def _path_param(message: str) -> str | None:
     if marker not in message:
         return None
     return message.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
 
 
 def _version() -> str:
