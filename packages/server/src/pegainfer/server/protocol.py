@@ -332,7 +332,8 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    prompt_token_ids: list[int] | None = None  # with return_token_ids, in a choice's first
+    # With return_token_ids, in a choice's first chunk; absent from the others, as vLLM's.
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelCard(msgspec.Struct):

@@ -79,8 +79,11 @@ class RequestLimits:
         if not prompt:
             raise InvalidRequestError("the prompt must contain at least one token", "prompt")
         vocab = self.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        outside = [token for token in prompt if not 0 <= token < vocab]
+        if outside:
+            raise InvalidRequestError(
+                f"prompt token ids {outside[:5]} are out of vocabulary [0, {vocab})", "prompt"
+            )
         msg.params.validate(vocab)
         if msg.params.structured is not None and self.grammars is not None:
             self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
