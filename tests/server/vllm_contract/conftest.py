@@ -1,17 +1,37 @@
-"""What the vLLM contract modules share: an `openai` client on the session's tiny Qwen3 server
-(tests/server/conftest.py: `--max-model-len 512`, prefix caching on) and the checkpoint's own
-tokenizer, read with the `tokenizers` library as a client would, independent of the server."""
+"""What the vLLM contract modules share: one tiny Qwen3 server for the folder, an `openai` client
+on it, and the checkpoint's own tokenizer, read with the `tokenizers` library as a client would,
+independent of the server.
+
+The server is the other server tests' (tests/server/conftest.py) with a longer context: the
+tiny tokenizer spells the chat template's tool preamble in about 800 tokens.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from tokenizers import Tokenizer
 
-MAX_MODEL_LEN = 512  # the shared server's --max-model-len
+from tests.server.conftest import Server, start_server, stop_server
+
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="package")
+def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("vllm-contract-log") / "server.log"
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    running = start_server(
+        tiny_model, log, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
+        "--block-size", "8", env=env,
+    )  # fmt: skip
+    yield running
+    stop_server(running)
 
 
 @pytest.fixture(scope="module")

@@ -237,6 +237,10 @@ class Chat:
         for index, stream in enumerate(streams):
             reasoning, content, pieces = answer_parser().feed(stream.text, last=True)
             calls = whole_calls(pieces)
+            if stream.finish_reason == "length" and body.tool_choice not in (None, "auto", "none"):
+                # As OpenAI and vLLM answer: a forced call that max_tokens cut short is no call
+                # (a stream has sent its pieces by then; its client sees the length).
+                calls = [call for call in calls if _is_json(call.arguments)]
             reasonings.append(reasoning)
             shown = reasoning if body.include_reasoning else ""
             message = AssistantMessage(
@@ -325,3 +329,11 @@ class Chat:
             return ChatCompletionChunk(rid, created, self.model_name, [], counted)
 
         return sse_stream(self.client, requests, reservation, chunks, final, body)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
