@@ -60,7 +60,7 @@ def test_completions_top_logprobs_keep_tokens_that_decode_alike():
 
     formatter = LogprobsFormatter(BytePieces())  # type: ignore[arg-type]
     entry = TokenLogprob(101, -1.0, 2, [(102, -0.5), (101, -1.0), (7, -2.0), (103, -3.0)])
-    assert formatter.completion([entry]).top_logprobs == [
+    assert formatter.completion([entry])[0].top_logprobs == [
         {"\ufffd": -1.0, "token_id:102": -0.5, "t7": -2.0, "token_id:103": -3.0}
     ]
 

@@ -167,6 +167,8 @@ class Chat:
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
+        if body.tool_choice == "auto" and body.tools is None:
+            raise bad_request('tool_choice "auto" needs tools', "tool_choice")  # as vLLM
         tools = self._tools(body)
         parallel = body.parallel_tool_calls is not False
         forced = forced_tool_calls(tools, body.tool_choice, parallel, self.tool_call_parser)

@@ -112,7 +112,7 @@ class Completions:
         streams = await collect(self.client, requests, reservation)
         choices = []
         for i, ((request, prompt), stream) in enumerate(zip(requests, streams, strict=True)):
-            text, logprobs = self._text_and_logprobs(
+            text, logprobs, _ = self._text_and_logprobs(
                 body, request, prompt, stream.text, stream.logprobs, stream.prompt_logprobs, 0
             )
             choice = CompletionChoice(i, text, logprobs, stream.finish_reason, stream.stop_reason)
@@ -131,15 +131,16 @@ class Completions:
         reservation = reserve(self.client, len(requests), _multiplier(body))
         created = now()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        offsets = [0] * len(requests)  # text each choice has streamed, for text_offset
+        # Where each choice's next token starts in its text, for text_offset: counted in
+        # tokens, since the streamed text lags them while a stop string may be starting.
+        offsets = [0] * len(requests)
 
         def chunks(index: int, delta: StreamDelta, first: bool) -> list[CompletionResponse]:
             request, prompt = requests[index]
-            text, logprobs = self._text_and_logprobs(
+            text, logprobs, offsets[index] = self._text_and_logprobs(
                 body, request, prompt if first else None, delta.text, delta.logprobs,
                 delta.prompt_logprobs if first else None, offsets[index], echo=first,
             )  # fmt: skip
-            offsets[index] += len(text)
             choice = CompletionChoice(index, text, logprobs, delta.finish_reason, delta.stop_reason)
             if body.return_token_ids:
                 choice.token_ids = delta.token_ids
@@ -164,9 +165,9 @@ class Completions:
         prompt_entries: list[TokenLogprob] | None,
         offset: int,
         echo: bool = True,
-    ) -> tuple[str, CompletionLogprobs | None]:
-        """A choice's text (after the echoed prompt, where asked and `echo`) and its logprobs
-        (the prompt's tokens first, then the answer's)."""
+    ) -> tuple[str, CompletionLogprobs | None, int]:
+        """A choice's text (after the echoed prompt, where asked and `echo`), its logprobs
+        (the prompt's tokens first, then the answer's) and the offset past their last token."""
         first_token = None
         if body.echo and echo:
             if prompt is None:
@@ -176,5 +177,5 @@ class Completions:
             if prompt_entries is not None:
                 entries, first_token = prompt_entries + entries, request.prompt_token_ids[0]
         if body.logprobs is None:
-            return text, None
-        return text, self.logprobs.completion(entries, offset, first_token)
+            return text, None, offset + len(text)
+        return text, *self.logprobs.completion(entries, offset, first_token)

@@ -68,9 +68,10 @@ class LogprobsFormatter:
 
     def completion(
         self, entries: list[TokenLogprob], offset: int = 0, first_token: int | None = None
-    ) -> CompletionLogprobs:
-        """`offset`: where the first token's text starts in the choice's text; `first_token`:
-        an echoed prompt's first token, which nothing before it scores."""
+    ) -> tuple[CompletionLogprobs, int]:
+        """The logprobs and the offset past their last token. `offset`: where the first
+        token's text starts in the choice's text; `first_token`: an echoed prompt's first
+        token, which nothing before it scores."""
         logprobs = CompletionLogprobs([], [], [], [])
         if first_token is not None:
             logprobs.tokens.append(self.name(first_token))
@@ -84,7 +85,7 @@ class LogprobsFormatter:
             logprobs.top_logprobs.append(self.top_map(entry))
             logprobs.text_offset.append(offset)
             offset += len(self.text(entry.token_id))
-        return logprobs
+        return logprobs, offset
 
     def top_map(self, entry: TokenLogprob) -> dict[str, float]:
         """Completions' `{token: logprob}` of one position: the chosen token and then the most

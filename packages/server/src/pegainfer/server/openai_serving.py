@@ -93,6 +93,8 @@ def sampling_params(
         "logprobs": logprobs,
         "prompt_logprobs": request.prompt_logprobs,
     }
+    if request.cache_salt == "":
+        raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
     if request.stream_options is not None and not request.stream:
         # As vLLM and OpenAI: the options shape a stream; without one they are a mistake.
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
