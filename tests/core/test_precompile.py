@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from pegainfer.core.kernels import plan_store
 from pegainfer.core.kernels.precompile import (
     KernelLaunch,
     KernelPlan,
     Precompile,
     StepBounds,
     TensorArg,
-    compiled_marker,
     record_launches,
 )
 from pegainfer.core.model import ModelContext
@@ -180,23 +180,27 @@ def test_failures_are_logged_and_left_to_the_first_launch(caplog):
     assert "1 failed" in plan_failed and "recording the Triton launches" in caplog.text
 
 
-def test_a_cache_marked_compiled_spawns_no_process(tmp_path, monkeypatch, caplog):
-    """Launches whose kernels a previous start compiled into this Triton cache (its marker is
-    there) are not compiled again; a failed compile leaves no marker, and another kernel source
-    or launch names another marker."""
+def test_a_plan_compiled_before_is_read_not_recorded_nor_compiled(tmp_path, monkeypatch, caplog):
+    """A plan whose launches a previous start compiled into this Triton cache is read from
+    beside it: nothing is recorded or compiled again. A failed compile stores nothing; other
+    plan inputs name another entry."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     flags = (("BLOCK", 256), ("HAS_RESIDUAL", False), ("ZERO_CENTRED", False))
-    args = (TensorArg(torch.bfloat16),) * 4 + (256, 256, 256, 256, 1e-6)
-    launch = KernelLaunch("pegainfer.core.kernels.norm", "_add_rms_norm_kernel", args, flags)
+    args = (TensorArg(torch.bfloat16, 8),) + (TensorArg(torch.float32),) * 3
+    launch = KernelLaunch("pegainfer.core.kernels.norm", "_add_rms_norm_kernel",
+                          (*args, 256, 256, 256, 256, 1e-6), flags)  # fmt: skip
     cpu = torch.device("cpu")
-    marker = compiled_marker((launch,), cpu)
-    assert marker.is_relative_to(tmp_path)
+    path = plan_store.plan_path("inputs", cpu)
+    assert path.is_relative_to(tmp_path) and plan_store.plan_path("other", cpu) != path
     with caplog.at_level(logging.WARNING, logger="pegainfer.core.kernels.precompile"):
-        Precompile.start(KernelPlan(lambda: (launch,)), 16, cpu).wait()  # fails: no driver
-    assert not marker.exists()
-    marker.parent.mkdir(parents=True)
-    marker.touch()
-    summary = Precompile.start(KernelPlan(lambda: (launch,)), 16, cpu).wait()
+        Precompile.start(KernelPlan(lambda: (launch,)), 16, cpu, "inputs").wait()  # no driver
+    assert not path.exists()
+    plan_store.store(path, (launch,))
+    assert plan_store.load(path) == (launch,)
+
+    def record():
+        raise AssertionError("a stored plan is not recorded again")
+
+    summary = Precompile.start(KernelPlan(record), 16, cpu, "inputs").wait()
     assert "1 Triton launches already in Triton's cache" in summary
-    other = KernelLaunch(launch.module, launch.name, args, (("BLOCK", 512), *flags[1:]))
-    assert compiled_marker((other,), cpu) != marker
+    assert "recording" not in caplog.text

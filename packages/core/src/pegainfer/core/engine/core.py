@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import json
 import logging
 import threading
 import time
@@ -897,12 +898,27 @@ class EngineCore:
         )
 
 
-def _start_precompile(args: EngineArgs, line: ModelLine, context: ModelContext) -> Precompile:
-    """Start compiling what the engine's steps will launch (`kernels/precompile.py`)."""
+def _start_precompile(
+    args: EngineArgs, line: ModelLine, context: ModelContext
+) -> Precompile | None:
+    """Start compiling what the engine's steps will launch (`kernels/precompile.py`); None for
+    a line with nothing to compile, or whose plan could not be made (the steps then compile
+    what they launch, as without a plan: logged, not fatal)."""
     buckets = () if args.enforce_eager else graph_buckets(args.max_num_seqs)
     bounds = StepBounds(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, buckets,
                         args.decode_attention_tensor_cores)  # fmt: skip
-    return Precompile.start(line.kernel_plan(context, bounds), args.block_size, context.device)
+    try:
+        plan = line.kernel_plan(context, bounds)
+    except Exception:
+        logger.warning("no kernel plan: the steps compile what they launch", exc_info=True)
+        return None
+    if plan.launches is None and plan.attention is None:
+        return None
+    # What the plan depends on besides the code (`plan_store`).
+    ranks = [(group.rank, group.world_size) for group in (context.parallel, context.data_parallel)]
+    inputs = repr((line.name, json.dumps(context.config, sort_keys=True), str(context.dtype),
+                   ranks, context.expert_parallel, bounds))  # fmt: skip
+    return Precompile.start(plan, args.block_size, context.device, inputs)
 
 
 def _import_in_background(module: str) -> threading.Thread:

@@ -21,7 +21,6 @@ joins them before the KV-sizing step measures memory (the pool's processes have 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
 import logging
 import multiprocessing
@@ -31,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 # Triton specializes a pointer on 16-byte alignment and an int on divisibility by 16.
 _ALIGN = 16
+# Compile processes at most: each imports torch first (~0.4 GB resident, seconds of CPU), and
+# the engine is loading weights meanwhile; 8 compile a MoE line's ~40 launches in a few rounds.
+_MAX_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -214,33 +215,26 @@ def _compile(launch: KernelLaunch) -> None:
     launch.warmup()
 
 
-def compiled_marker(launches: tuple[KernelLaunch, ...], device: torch.device) -> Path:
-    """The file in Triton's cache directory that says these launches' kernels, as their source
-    is now, were compiled into it for `device`'s architecture by this Triton. A warm start finds
-    it and spawns no compile processes (each would import torch, seconds, to load what is
-    already there); a fresh machine's empty cache has none, and a changed kernel or launch
-    makes another name."""
-    import triton
-    from triton import knobs
-
-    target = (triton.__version__, torch.cuda.get_device_capability(device)
-              if device.type == "cuda" else device.type)  # fmt: skip
-    keys = sorted(repr((launch.key(), launch.kernel().cache_key)) for launch in launches)
-    digest = hashlib.sha256(repr((target, keys)).encode()).hexdigest()
-    return Path(knobs.cache.dir) / "pegainfer-precompiled" / digest
-
-
 class Precompile:
     """Compiles a line's `KernelPlan` in the background: `start` returns at once, `wait` joins.
 
     One thread builds the attention modules (FlashInfer's JIT runs nvcc and ninja as
     subprocesses: the longest compile, so it starts first); another records the Triton
-    launches, compiles them on a pool of spawned processes unless Triton's cache holds them
-    already (`compiled_marker`), then loads each into this process.
+    launches (or reads those of the same plan compiled into Triton's cache before:
+    `plan_store`, when `plan_inputs` describes what the plan depends on besides the code),
+    compiles them on a pool of spawned processes unless they were, then loads each into this
+    process.
     """
 
-    def __init__(self, plan: KernelPlan, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        plan: KernelPlan,
+        block_size: int,
+        device: torch.device,
+        plan_inputs: str | None = None,
+    ) -> None:
         self._plan = plan
+        self._plan_inputs = plan_inputs
         self._block_size = block_size
         self._device = device
         self.launches: tuple[KernelLaunch, ...] = ()  # once recorded
@@ -249,7 +243,7 @@ class Precompile:
         self._cancelled = False
         self._errors: list[str] = []
         self._workers = 0
-        self._in_cache = False  # the marker says the cache holds every launch's kernel
+        self._in_cache = False  # the plan was compiled into Triton's cache before
         self._started = time.perf_counter()
         self._threads = [
             threading.Thread(target=target, daemon=True, name=f"pegainfer-precompile-{name}")
@@ -261,8 +255,14 @@ class Precompile:
         ]
 
     @classmethod
-    def start(cls, plan: KernelPlan, block_size: int, device: torch.device) -> Precompile:
-        self = cls(plan, block_size, device)
+    def start(
+        cls,
+        plan: KernelPlan,
+        block_size: int,
+        device: torch.device,
+        plan_inputs: str | None = None,
+    ) -> Precompile:
+        self = cls(plan, block_size, device, plan_inputs)
         for thread in self._threads:
             thread.start()
         return self
@@ -276,19 +276,26 @@ class Precompile:
             self._errors.append(f"the attention backend: {error!r}")
 
     def _compile_triton(self) -> None:
-        try:
-            self.launches = launches = self._plan.launches()
-        except Exception as error:
-            self._errors.append(f"recording the Triton launches: {error!r}")
-            return
+        from pegainfer.core.kernels import plan_store
+
+        path = None
+        if self._plan_inputs is not None:
+            path = plan_store.plan_path(self._plan_inputs, self._device)
+            stored = plan_store.load(path)
+            self._in_cache = stored is not None
+            self.launches = stored or ()
+        if not self._in_cache:
+            try:
+                self.launches = self._plan.launches()
+            except Exception as error:
+                self._errors.append(f"recording the Triton launches: {error!r}")
+                return
+        launches = self.launches
         if not launches:
             return
-        marker = compiled_marker(launches, self._device)
-        self._in_cache = marker.exists()
         failed = set() if self._in_cache else self._compile_in_pool(launches)
-        if not self._in_cache and not failed:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+        if path is not None and not self._in_cache and not failed and not self._cancelled:
+            plan_store.store(path, launches)
         # Load each compiled kernel into this process (Triton's disk cache to its launch
         # cache: milliseconds each), so the engine's first steps find them there.
         for launch in launches:
@@ -301,8 +308,9 @@ class Precompile:
 
     def _compile_in_pool(self, launches: tuple[KernelLaunch, ...]) -> set[tuple[Any, ...]]:
         """Compile `launches` on spawned processes; the keys of those that failed."""
-        # The CPUs but one (the engine's loading), at most one process per launch.
-        self._workers = min(max(1, (os.cpu_count() or 2) - 1), len(launches))
+        # At most one process per launch, one CPU left to the engine's loading.
+        cpus = max(1, (os.cpu_count() or 2) - 1)
+        self._workers = min(_MAX_WORKERS, cpus, len(launches))
         # Spawned, not forked: the engine process has threads and a CUDA context.
         context = multiprocessing.get_context("spawn")
         with self._lock:
