@@ -20,6 +20,7 @@ from pegainfer.core.kernels.precompile import (
     Precompile,
     StepBounds,
     TensorArg,
+    probe_batch,
     record_launches,
 )
 from pegainfer.core.model import ModelContext
@@ -148,6 +149,15 @@ class PlannedBackend:
 
     def plan(self, batch) -> None:
         self.planned.append(batch.num_tokens)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_the_probe_batch_holds_its_tokens_in_blocks_of_its_own(block_size):
+    batch = probe_batch(block_size, torch.device("cpu"))
+    assert batch.query_lens_cpu == [1, 3] and batch.seq_lens_cpu == [2, 3]
+    tables = batch.block_tables_cpu
+    assert [len(t) * block_size >= n for t, n in zip(tables, [2, 3], strict=True)] == [True] * 2
+    assert not set(tables[0]) & set(tables[1])
 
 
 def test_the_attention_backend_is_planned_on_a_decode_beside_a_prompt():

@@ -43,7 +43,7 @@ from pegainfer.core.engine.scheduler import (
 )
 from pegainfer.core.engine.step_plan import StepPlan
 from pegainfer.core.errors import ConfigError, InvalidRequestError, ModelLineError
-from pegainfer.core.kernels.precompile import Precompile, StepBounds
+from pegainfer.core.kernels.precompile import KernelPlan, Precompile, StepBounds
 from pegainfer.core.kv.block_manager import BlockManager
 from pegainfer.core.kv.kv_cache import (
     ArenaSpec,
@@ -912,6 +912,10 @@ def _start_precompile(
     except Exception:
         logger.warning("no kernel plan: the steps compile what they launch", exc_info=True)
         return None
+    if max(context.parallel.world_size, context.data_parallel.world_size) > 1:
+        # A model whose forward exchanges tensors between ranks cannot run it alone on the
+        # meta device (its collectives would reach the other ranks): attention modules only.
+        plan = KernelPlan(None, plan.attention)
     if plan.launches is None and plan.attention is None:
         return None
     # What the plan depends on besides the code (`plan_store`).

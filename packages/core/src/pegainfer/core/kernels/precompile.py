@@ -115,8 +115,9 @@ class KernelLaunch:
             param = params.get(name)
             if param is None:  # a compile option (num_warps, num_stages)
                 return value
-            return _spec(value, param.is_constexpr, not param.do_not_specialize,
-                          not param.do_not_specialize_on_alignment)  # fmt: skip
+            # (Tritons before do_not_specialize_on_alignment specialize every argument on it.)
+            align = not getattr(param, "do_not_specialize_on_alignment", False)
+            return _spec(value, param.is_constexpr, not param.do_not_specialize, align)
 
         positional = tuple(spec(names[i], v) for i, v in enumerate(self.args))
         return (self.module, self.name, positional,
@@ -204,11 +205,12 @@ class StepBounds:
 
 
 def probe_batch(block_size: int, device: torch.device) -> ForwardBatch:
-    """A decode row beside a three-token prompt: planning it builds what decode and prefill
-    attention run."""
-    table = list(range(-(-3 // block_size)))
-    return ForwardBatch.build([[0], [0, 0, 0]], [1, 0], [[0], table], [True, True], block_size,
-                              device)  # fmt: skip
+    """A decode row (its second token) beside a three-token prompt: planning it builds what
+    decode and prefill attention run."""
+    decode = list(range(-(-2 // block_size)))
+    prompt = [len(decode) + page for page in range(-(-3 // block_size))]
+    return ForwardBatch.build([[0], [0, 0, 0]], [1, 0], [decode, prompt], [True, True],
+                              block_size, device)  # fmt: skip
 
 
 def _compile(launch: KernelLaunch) -> None:
@@ -269,6 +271,7 @@ class Precompile:
 
     def _build_attention(self) -> None:
         try:
+            self._use_device()
             self._plan.attention().plan(probe_batch(self._block_size, self._device))
             if self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
@@ -293,6 +296,7 @@ class Precompile:
         launches = self.launches
         if not launches:
             return
+        self._use_device()
         failed = set() if self._in_cache else self._compile_in_pool(launches)
         if path is not None and not self._in_cache and not failed and not self._cancelled:
             plan_store.store(path, launches)
@@ -327,6 +331,11 @@ class Precompile:
                 self._errors.append(f"{launch.module}.{launch.name}: {error!r}")
         self._pool.shutdown(wait=True)
         return failed
+
+    def _use_device(self) -> None:
+        """Make the engine's GPU this thread's (CUDA's current device is per thread)."""
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
 
     def wait(self) -> str:
         """Wait for every compile and load (the pool's processes exit). A compile that fails
