@@ -27,6 +27,7 @@ from pegainfer.core.model import ModelContext
 from pegainfer.core.runner.meta_steps import meta_steps
 
 META = torch.device("meta")
+BOUNDS = StepBounds(block_size=16, max_num_batched_tokens=256, max_num_seqs=8)
 
 
 def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -153,18 +154,20 @@ class PlannedBackend:
 
 @pytest.mark.parametrize("block_size", [1, 2, 16])
 def test_the_probe_batch_holds_its_tokens_in_blocks_of_its_own(block_size):
-    batch = probe_batch(block_size, torch.device("cpu"))
-    assert batch.query_lens_cpu == [1, 3] and batch.seq_lens_cpu == [2, 3]
+    batch = probe_batch(block_size, torch.device("cpu"), decodes=3)
+    assert batch.query_lens_cpu == [1, 1, 1, 3] and batch.seq_lens_cpu == [2, 2, 2, 3]
     tables = batch.block_tables_cpu
-    assert [len(t) * block_size >= n for t, n in zip(tables, [2, 3], strict=True)] == [True] * 2
-    assert not set(tables[0]) & set(tables[1])
+    assert all(len(t) * block_size >= n for t, n in zip(tables, batch.seq_lens_cpu, strict=True))
+    blocks = [block for table in tables for block in table]
+    assert len(blocks) == len(set(blocks))
 
 
 def test_the_attention_backend_is_planned_on_a_decode_beside_a_prompt():
     backend = PlannedBackend()
-    precompile = Precompile.start(KernelPlan(None, lambda: backend), 16, torch.device("cpu"))
+    precompile = Precompile.start(KernelPlan(None, lambda: backend), BOUNDS, torch.device("cpu"))
     summary = precompile.wait()
-    assert backend.planned == [4]  # one decode row and a 3-token prompt
+    # One decode row, then a step's most (8), each beside a 3-token prompt.
+    assert backend.planned == [4, 11]
     assert "attention modules" in summary and "failed" not in summary
 
 
@@ -181,9 +184,9 @@ def test_failures_are_logged_and_left_to_the_first_launch(caplog):
         raise RuntimeError("no backend here")
 
     with caplog.at_level(logging.WARNING, logger="pegainfer.core.kernels.precompile"):
-        summary = Precompile.start(KernelPlan(lambda: (launch,), broken), 16,
+        summary = Precompile.start(KernelPlan(lambda: (launch,), broken), BOUNDS,
                                    torch.device("cpu")).wait()  # fmt: skip
-        plan_failed = Precompile.start(KernelPlan(broken), 16, torch.device("cpu")).wait()
+        plan_failed = Precompile.start(KernelPlan(broken), BOUNDS, torch.device("cpu")).wait()
     assert "1 Triton launches compiled on 1 processes" in summary and "2 failed" in summary
     assert "pegainfer.core.kernels.norm._add_rms_norm_kernel" in caplog.text
     assert "no backend here" in caplog.text
@@ -203,7 +206,7 @@ def test_a_plan_compiled_before_is_read_not_recorded_nor_compiled(tmp_path, monk
     path = plan_store.plan_path("inputs", cpu)
     assert path.is_relative_to(tmp_path) and plan_store.plan_path("other", cpu) != path
     with caplog.at_level(logging.WARNING, logger="pegainfer.core.kernels.precompile"):
-        Precompile.start(KernelPlan(lambda: (launch,)), 16, cpu, "inputs").wait()  # no driver
+        Precompile.start(KernelPlan(lambda: (launch,)), BOUNDS, cpu, "inputs").wait()  # no driver
     assert not path.exists()
     plan_store.store(path, (launch,))
     assert plan_store.load(path) == (launch,)
@@ -211,6 +214,6 @@ def test_a_plan_compiled_before_is_read_not_recorded_nor_compiled(tmp_path, monk
     def record():
         raise AssertionError("a stored plan is not recorded again")
 
-    summary = Precompile.start(KernelPlan(record), 16, cpu, "inputs").wait()
+    summary = Precompile.start(KernelPlan(record), BOUNDS, cpu, "inputs").wait()
     assert "1 Triton launches already in Triton's cache" in summary
     assert "recording" not in caplog.text

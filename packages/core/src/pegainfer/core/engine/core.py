@@ -922,7 +922,7 @@ def _start_precompile(
     ranks = [(group.rank, group.world_size) for group in (context.parallel, context.data_parallel)]
     inputs = repr((line.name, json.dumps(context.config, sort_keys=True), str(context.dtype),
                    ranks, context.expert_parallel, bounds))  # fmt: skip
-    return Precompile.start(plan, args.block_size, context.device, inputs)
+    return Precompile.start(plan, bounds, context.device, inputs)
 
 
 def _import_in_background(module: str) -> threading.Thread:

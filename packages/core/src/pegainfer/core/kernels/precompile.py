@@ -204,13 +204,18 @@ class StepBounds:
         return sorted(set(warmup_token_counts(budget, budget, extra)) | set(self.graph_buckets))
 
 
-def probe_batch(block_size: int, device: torch.device) -> ForwardBatch:
-    """A decode row (its second token) beside a three-token prompt: planning it builds what
-    decode and prefill attention run."""
-    decode = list(range(-(-2 // block_size)))
-    prompt = [len(decode) + page for page in range(-(-3 // block_size))]
-    return ForwardBatch.build([[0], [0, 0, 0]], [1, 0], [decode, prompt], [True, True],
-                              block_size, device)  # fmt: skip
+def probe_batch(block_size: int, device: torch.device, decodes: int = 1) -> ForwardBatch:
+    """`decodes` decode rows (each a sequence's second token) beside a three-token prompt:
+    planning it builds what decode and prefill attention run (a backend may decode a few rows
+    and many with different kernels)."""
+    lengths = [2] * decodes + [3]
+    tables, first = [], 0
+    for length in lengths:
+        pages = -(-length // block_size)
+        tables.append(list(range(first, first + pages)))
+        first += pages
+    return ForwardBatch.build([[0]] * decodes + [[0, 0, 0]], [1] * decodes + [0], tables,
+                              [True] * len(lengths), block_size, device)  # fmt: skip
 
 
 def _compile(launch: KernelLaunch) -> None:
@@ -231,13 +236,13 @@ class Precompile:
     def __init__(
         self,
         plan: KernelPlan,
-        block_size: int,
+        bounds: StepBounds,
         device: torch.device,
         plan_inputs: str | None = None,
     ) -> None:
         self._plan = plan
         self._plan_inputs = plan_inputs
-        self._block_size = block_size
+        self._bounds = bounds
         self._device = device
         self.launches: tuple[KernelLaunch, ...] = ()  # once recorded
         self._pool: ProcessPoolExecutor | None = None
@@ -260,11 +265,11 @@ class Precompile:
     def start(
         cls,
         plan: KernelPlan,
-        block_size: int,
+        bounds: StepBounds,
         device: torch.device,
         plan_inputs: str | None = None,
     ) -> Precompile:
-        self = cls(plan, block_size, device, plan_inputs)
+        self = cls(plan, bounds, device, plan_inputs)
         for thread in self._threads:
             thread.start()
         return self
@@ -272,7 +277,10 @@ class Precompile:
     def _build_attention(self) -> None:
         try:
             self._use_device()
-            self._plan.attention().plan(probe_batch(self._block_size, self._device))
+            backend = self._plan.attention()
+            # One decode row and as many as a step holds: both of a backend's decode kernels.
+            for decodes in sorted({1, self._bounds.max_num_seqs}):
+                backend.plan(probe_batch(self._bounds.block_size, self._device, decodes))
             if self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
         except Exception as error:
