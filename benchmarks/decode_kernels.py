@@ -223,6 +223,22 @@ def step_gemms(rows: list[dict], num_layers: int) -> list[dict]:
     return totals
 
 
+def tensor_cores_from(rows: list[dict]) -> dict[int, int | None]:
+    """Per context: the smallest batch timed from which the tensor-core kernel is as fast as
+    the CUDA-core one at every larger batch timed (None: at none), the measured counterpart of
+    `DECODE_TENSOR_CORES_FROM`."""
+    crossover = {}
+    for context in sorted({r["context"] for r in rows if r["part"] == "attention"}):
+        timed = sorted((r["batch"], r["tensor_cores_us"] <= r["cuda_cores_us"]) for r in rows
+                       if r["part"] == "attention" and r["context"] == context)  # fmt: skip
+        crossover[context] = None
+        for batch, faster in reversed(timed):
+            if not faster:
+                break
+            crossover[context] = batch
+    return crossover
+
+
 def print_tables(rows: list[dict], totals: list[dict], num_layers: int) -> None:
     print("\nAttention, one layer (us; limit = the layer's KV bytes at the copy rate)")
     print(f"{'context':>7} {'batch':>5} {'tensor':>8} {'cuda':>8} {'limit':>8} "
@@ -233,6 +249,8 @@ def print_tables(rows: list[dict], totals: list[dict], num_layers: int) -> None:
             print(f"{r['context']:>7} {r['batch']:>5} {tc:8.1f} {cc:8.1f} {lim:8.1f} "
                   f"{lim / tc:8.0%} {lim / cc:8.0%}  "
                   f"{tc * num_layers / 1e3:.3f} / {cc * num_layers / 1e3:.3f}")  # fmt: skip
+    for context, batch in tensor_cores_from(rows).items():
+        print(f"context {context}: tensor cores as fast from batch {batch} on")
     print("\nGEMMs (us; limit = the weight's bytes at the copy rate)")
     print(f"{'layer':>9} {'rows':>4} {'cuBLAS':>8} {'gemv':>8} {'best':>8} {'config':>12} "
           f"{'limit':>8} {'cuBLAS/lim':>10} {'best/lim':>8}")  # fmt: skip
@@ -308,7 +326,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "flashinfer": flashinfer.__version__,
         "measured_copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows,
-        "step_gemms": totals,
+        "step_gemms": totals, "tensor_cores_from": tensor_cores_from(rows),
     }  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1))
     print_tables(rows, totals, cfg["num_hidden_layers"])

@@ -77,8 +77,10 @@ class DecodeKernels:
     is bound by latency (12 us a layer at one sequence, issue 19's profile), not by the MMA
     work tensor cores save: the lighter CUDA-core kernel is the candidate there. From it on
     every pair fills a CTA and packing a KV head's query group into MMA rows pays (tensor cores
-    read the KV at 85% of the copy rate at 256 sequences). `benchmarks/decode_kernels.py`
-    times both kernels per batch size to confirm or move it.
+    read the KV at 85% of the copy rate at 256 sequences). Published figures cover only larger
+    batches (tensor cores 25% faster at 57 sequences of 8k, GQA 4: FlashInfer issue 703; vLLM
+    and SGLang decode on tensor cores at every size for such groups); `benchmarks/
+    decode_kernels.py` times both kernels per batch size and prints the measured crossover.
     """
 
     tensor_cores_from: int | None
