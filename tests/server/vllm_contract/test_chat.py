@@ -31,9 +31,9 @@ CHOICES = ["Python", "Java", "JavaScript", "C++", "C#", "PHP", "TypeScript", "Ru
 EMPLOYEE = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 8},
+        "name": {"type": "string", "maxLength": 4},
         "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "skills": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 1},
     },
     "required": ["name", "age", "skills"],
     "additionalProperties": False,
@@ -353,7 +353,7 @@ def test_invocations(server):
 def test_chat_completion_n_parameter_non_streaming(client, server):
     """test_chat_completion_n_parameter_non_streaming: n=3 gives indexed choices, not all equal."""
     reply = client.chat.completions.create(
-        model=server.model, messages=MESSAGES, max_completion_tokens=20, temperature=0.7, n=3,
+        model=server.model, messages=MESSAGES, max_completion_tokens=10, temperature=0.7, n=3,
     )  # fmt: skip
     assert [choice.index for choice in reply.choices] == [0, 1, 2]
     contents = [choice.message.content for choice in reply.choices]

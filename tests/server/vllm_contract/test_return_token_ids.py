@@ -37,7 +37,7 @@ def test_chat_completion_with_tool_use(client, server, hf_tokenizer):
     """test_chat_completion_with_tool_use: with tools offered, the response's prompt_token_ids
     hold the conversation and the choice's token_ids the answer; null when not asked."""
     kwargs = dict(model=server.model, messages=WEATHER, tools=TOOLS, tool_choice="auto",
-                  max_tokens=20, temperature=0, logprobs=True)  # fmt: skip
+                  max_tokens=5, temperature=0, logprobs=True)  # fmt: skip
     reply = client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True})
     prompt_text = hf_tokenizer.decode(reply.model_extra["prompt_token_ids"])
     assert "You are a helpful assistant" in prompt_text
@@ -73,7 +73,7 @@ def test_comparison_with_prompt_logprobs_and_logprobs(client, server, hf_tokeniz
 
     streamed_prompt, streamed_ids, logprob_ids = None, [], []
     for chunk in client.completions.create(
-        model=server.model, prompt="Tell me a short fact about Python:", max_tokens=30,
+        model=server.model, prompt="Tell me a short fact about Python:", max_tokens=12,
         temperature=0, stream=True, logprobs=1,
         extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
     ):  # fmt: skip
@@ -90,7 +90,7 @@ def test_chat_completion_with_emoji_and_token_ids(client, server, hf_tokenizer):
     """test_chat_completion_with_emoji_and_token_ids: prompt_token_ids decode to the rendered
     conversation; streamed, only the first chunk has them, and the chunks' token_ids decode to
     the streamed content."""
-    kwargs = dict(model=server.model, messages=EMOJI_CHAT, max_tokens=50, temperature=0)
+    kwargs = dict(model=server.model, messages=EMOJI_CHAT, max_tokens=12, temperature=0)
     reply = client.chat.completions.create(**kwargs, logprobs=True,
                                            extra_body={"return_token_ids": True})  # fmt: skip
     decoded_prompt = hf_tokenizer.decode(reply.model_extra["prompt_token_ids"])

@@ -298,6 +298,7 @@ async def serve(
             chosen = parsers.resolve(parsers.registry(), _requested_parsers(server), line_defaults)
             state.reasoning_parser = chosen["reasoning"]
             state.tool_call_parser = chosen["tool_call"]
+            kv_tokens = engine_config.block_size * engine_config.num_kv_blocks
             metrics = Metrics(
                 names[0],
                 engine_config.max_model_len,
@@ -305,6 +306,9 @@ async def serve(
                     "block_size": str(engine_config.block_size),
                     "num_gpu_blocks": str(engine_config.num_kv_blocks),
                     "cache_dtype": engine_config.dtype,
+                    # vLLM's: the cache's tokens, and how many full-context requests fit them.
+                    "kv_cache_size_tokens": str(kv_tokens),
+                    "kv_cache_max_concurrency": f"{kv_tokens / engine_config.max_model_len:.2f}",
                 },
             )
             state.client = AsyncEngineClient(

@@ -886,6 +886,7 @@ class EngineCore:
                 prefill=max(first - scheduled, 0.0),
                 decode=max(now - first, 0.0),
                 inference=max(now - scheduled, 0.0),
+                num_preemptions=request.num_preemptions,
             )
         return RequestOutput(
             request_id=request.request_id,

@@ -46,12 +46,14 @@ class TokenLogprob(msgspec.Struct, array_like=True):
 
 class RequestTiming(msgspec.Struct, frozen=True):
     """Where a finished request's time went on the engine's clock, in seconds (vLLM's split):
-    waiting to be scheduled, scheduled to first token, first to last token, scheduled to last."""
+    waiting to be scheduled, scheduled to first token, first to last token, scheduled to last;
+    and how many times it was preempted on the way."""
 
     queue: float
     prefill: float
     decode: float
     inference: float
+    num_preemptions: int = 0
 
 
 class RequestOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -117,6 +117,11 @@ class Metrics:
             "vllm:request_params_max_tokens", "max_tokens of each finished request.", tokens
         )
         self._n = histogram("vllm:request_params_n", "n of each request.", _N_BUCKETS)
+        self._request_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Preemptions of each finished request.",
+            (0, *_one_two_five(100)),
+        )
         self._spec_drafts = counter(
             "vllm:spec_decode_num_drafts", "Verify steps of a request with drafts."
         )
@@ -213,6 +218,7 @@ class Metrics:
             self._prefill.labels(m).observe(timing.prefill)
             self._decode.labels(m).observe(timing.decode)
             self._inference.labels(m).observe(timing.inference)
+            self._request_preemptions.labels(m).observe(timing.num_preemptions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
