@@ -217,3 +217,30 @@ def test_a_plan_compiled_before_is_read_not_recorded_nor_compiled(tmp_path, monk
     summary = Precompile.start(KernelPlan(record), BOUNDS, cpu, "inputs").wait()
     assert "1 Triton launches already in Triton's cache" in summary
     assert "recording" not in caplog.text
+
+
+def test_the_engine_plans_per_layout(tmp_path, monkeypatch):
+    """The engine's start: one process records its launches (and fails to compile them here,
+    without a GPU: logged); a rank of a parallel layout only builds its attention (its forward
+    exchanges tensors with the other ranks); a line with nothing to compile starts nothing."""
+    from pegainfer.core.args import EngineArgs
+    from pegainfer.core.distributed.parallel import ParallelGroup
+    from pegainfer.core.engine.core import _start_precompile
+    from pegainfer.core.model_line import ModelLine
+    from pegainfer.models.qwen3.line import Qwen3Line
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    line = Qwen3Line()
+    line.write_tiny_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    args = EngineArgs(model=str(tmp_path), max_num_seqs=4, max_num_batched_tokens=64)
+    alone = ModelContext(tmp_path, config, torch.bfloat16, torch.device("cuda"))
+    precompile = _start_precompile(args, line, alone)
+    assert "failed" in precompile.wait()
+    assert {launch.name for launch in precompile.launches} >= {"_qk_norm_rope_kv_kernel"}
+    ranked = ModelContext(tmp_path, config, torch.bfloat16, torch.device("cpu"),
+                          parallel=ParallelGroup(0, 2))  # fmt: skip
+    precompile = _start_precompile(args, line, ranked)
+    assert "0 Triton launches" in precompile.wait() and precompile.launches == ()
+    monkeypatch.setattr(Qwen3Line, "kernel_plan", ModelLine.kernel_plan)
+    assert _start_precompile(args, line, alone) is None

@@ -45,8 +45,8 @@ def plan_path(plan_inputs: str, device: torch.device) -> Path:
     import triton
     from triton import knobs
 
-    target = (triton.__version__, torch.cuda.get_device_capability(device)
-              if device.type == "cuda" else device.type)  # fmt: skip
+    gpu = device.type == "cuda" and torch.cuda.is_available()
+    target = (triton.__version__, torch.cuda.get_device_capability(device) if gpu else None)
     key = repr((plan_inputs, target, _source_digest()))
     return (
         Path(knobs.cache.dir)

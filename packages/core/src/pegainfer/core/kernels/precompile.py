@@ -287,6 +287,12 @@ class Precompile:
             self._errors.append(f"the attention backend: {error!r}")
 
     def _compile_triton(self) -> None:
+        try:
+            self._record_compile_and_load()
+        except Exception as error:
+            self._errors.append(f"the Triton launches: {error!r}")
+
+    def _record_compile_and_load(self) -> None:
         from pegainfer.core.kernels import plan_store
 
         path = None
@@ -341,8 +347,9 @@ class Precompile:
         return failed
 
     def _use_device(self) -> None:
-        """Make the engine's GPU this thread's (CUDA's current device is per thread)."""
-        if self._device.type == "cuda":
+        """Make the engine's GPU this thread's (CUDA's current device is per thread; a device
+        without an index is the current one, the same in every thread that never set one)."""
+        if self._device.type == "cuda" and self._device.index is not None:
             torch.cuda.set_device(self._device)
 
     def wait(self) -> str:
