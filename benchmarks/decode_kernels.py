@@ -13,8 +13,8 @@ GEMMs: each linear layer of a decode step (qkv, o, gate_up, down and the LM head
 rows, with torch.matmul (cuBLAS, what the model runs) and with the Triton GEMV of
 `core.kernels.gemv` under its default and a few other tile configurations; timed as calls over
 enough weight copies to defeat L2, captured in a CUDA graph; its limit is the weight's bytes
-over the copy rate. `down+silu` is the MLP's tail as the model runs it (SiLU-and-mul's kernel,
-then cuBLAS) against the gated GEMV, which applies the activation as it loads x.
+over the copy rate. `gate_up+silu` is the projection and the activation as the model runs them
+(cuBLAS, then SiLU-and-mul's kernel) against the gated GEMV, whose epilogue applies it.
 
 Every alternative is checked against its reference first (attention: `ops.paged_attention`;
 GEMV: fp32 matmul); a mismatch fails the run after the JSON is written.
@@ -138,13 +138,14 @@ def time_attention(
 
 
 def gemm_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """(N, K) of each linear layer of a decode step (`down+silu`: down with the activation
-    before it)."""
+    """(N, K) of each linear layer of a decode step (`gate_up+silu`: gate_up with the
+    activation after it)."""
     h, d = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     inter = cfg["intermediate_size"]
-    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter),
-            "down+silu": (h, inter), "lm_head": (VOCAB_SIZE, h)}  # fmt: skip
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h),
+            "gate_up+silu": (2 * inter, h), "down": (h, inter),
+            "lm_head": (VOCAB_SIZE, h)}  # fmt: skip
 
 
 def parse_config(text: str) -> GemvConfig:
@@ -161,12 +162,14 @@ def time_gemm(
     (n, k), copies = weights[0].shape, len(weights)
     weight_bytes = n * k * 2
     gated = name.endswith("+silu")
-    x = randn(rows, 2 * k if gated else k, g=gpu)
+    x = randn(rows, k, g=gpu)
 
     def cublas(w: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(silu_and_mul(x) if gated else x, w.T)
+        y = torch.matmul(x, w.T)
+        return silu_and_mul(y) if gated else y
 
-    exact = (ref_silu_and_mul(x.float()) if gated else x.float()) @ weights[0].float().T
+    exact = x.float() @ weights[0].float().T
+    exact = ref_silu_and_mul(exact) if gated else exact
     row = {"part": "gemm", "layer": name, "n": n, "k": k, "rows": rows,
            "weight_bytes": weight_bytes, "copies_timed": copies,
            "limit_us": weight_bytes / bandwidth * 1e6}  # fmt: skip
@@ -174,7 +177,7 @@ def time_gemm(
     row["cublas_us"] = replay_time(graph) / copies * 1e6
     row["cublas_rel_err"] = rel_err(cublas(weights[0]), exact)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default = default_config(n, sms)
+    default = default_config(n // 2 if gated else n, sms, gated)
     row["gemv_default_config"] = "x".join(
         str(v) for v in (default.block_n, default.block_k, default.num_stages, default.num_warps)
     )
@@ -201,16 +204,16 @@ def best_gemv(row: dict) -> tuple[str, float]:
 
 
 def step_gemms(rows: list[dict], num_layers: int) -> list[dict]:
-    """Per row count: a decode step's GEMM time (every layer's four, down with the SiLU-and-mul
-    before it, and the LM head once) with cuBLAS, with the GEMV's default configuration and
-    with its best per layer, beside the weights' byte limit."""
+    """Per row count: a decode step's GEMM time (every layer's four, gate_up with the
+    SiLU-and-mul after it, and the LM head once) with cuBLAS, with the GEMV's default
+    configuration and with its best per layer, beside the weights' byte limit."""
     totals = []
     gemms = [r for r in rows if r["part"] == "gemm"]
     for count in sorted({r["rows"] for r in gemms}):
         of = [r for r in gemms if r["rows"] == count]
-        if not {"qkv", "o", "gate_up", "down+silu", "lm_head"} <= {r["layer"] for r in of}:
+        if not {"qkv", "o", "gate_up+silu", "down", "lm_head"} <= {r["layer"] for r in of}:
             continue
-        of = [r for r in of if r["layer"] != "down"]  # counted with its activation
+        of = [r for r in of if r["layer"] != "gate_up"]  # counted with its activation
         times = {"cublas": 0.0, "gemv_default": 0.0, "gemv_best": 0.0, "limit": 0.0}
         for r in of:
             layers = 1 if r["layer"] == "lm_head" else num_layers
@@ -252,18 +255,18 @@ def print_tables(rows: list[dict], totals: list[dict], num_layers: int) -> None:
     for context, batch in tensor_cores_from(rows).items():
         print(f"context {context}: tensor cores as fast from batch {batch} on")
     print("\nGEMMs (us; limit = the weight's bytes at the copy rate)")
-    print(f"{'layer':>9} {'rows':>4} {'cuBLAS':>8} {'gemv':>8} {'best':>8} {'config':>12} "
+    print(f"{'layer':>12} {'rows':>4} {'cuBLAS':>8} {'gemv':>8} {'best':>8} {'config':>12} "
           f"{'limit':>8} {'cuBLAS/lim':>10} {'best/lim':>8}")  # fmt: skip
     for r in rows:
         if r["part"] == "gemm":
             default = r["gemv"][r["gemv_default_config"]].get("us", math.nan)
             best_key, best = best_gemv(r)
             lim = r["limit_us"]
-            print(f"{r['layer']:>9} {r['rows']:>4} {r['cublas_us']:8.1f} {default:8.1f} "
+            print(f"{r['layer']:>12} {r['rows']:>4} {r['cublas_us']:8.1f} {default:8.1f} "
                   f"{best:8.1f} {best_key:>12} {lim:8.1f} {lim / r['cublas_us']:10.0%} "
                   f"{lim / best:8.0%}")  # fmt: skip
     print(
-        "\nA decode step's GEMMs (ms; each layer's four, down with its activation, the LM head "
+        "\nA decode step's GEMMs (ms; each layer's four, gate_up with its activation, the LM head "
         "once)"
     )
     print(f"{'rows':>4} {'cuBLAS':>8} {'gemv':>8} {'best':>8} {'limit':>8}")

@@ -1,6 +1,6 @@
 """The decode GEMV (`core.kernels.gemv`) against torch.matmul in bf16 at the decode shapes of
 Qwen3-4B and -8B's layers (and ragged ones), one to sixteen rows, under the default
-configuration and the benchmark's; gated, against SiLU-and-mul's kernel then matmul (CUDA;
+configuration and the benchmark's; gated, against matmul then SiLU-and-mul's kernel (CUDA;
 skipped elsewhere)."""
 
 from __future__ import annotations
@@ -34,15 +34,18 @@ def test_gemv_matches_matmul(n, k, rows, config):
     assert err < 4e-3
 
 
-@pytest.mark.parametrize(("n", "k"), [(2560, 9728), (4096, 12288), (1000, 200)])
+# (intermediate, hidden): Qwen3-4B's and -8B's gate_up; ragged.
+@pytest.mark.parametrize(("n", "k"), [(9728, 2560), (12288, 4096), (1000, 200)])
 @pytest.mark.parametrize("rows", [1, 4, MAX_ROWS])
-def test_gated_gemv_matches_silu_and_mul_then_matmul(n, k, rows):
+@pytest.mark.parametrize("config", [None, GemvConfig(32, 128, 3)], ids=["default", "32x128"])
+def test_gated_gemv_matches_matmul_then_silu_and_mul(n, k, rows, config):
     g = torch.Generator("cuda").manual_seed(n + rows)
-    gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
-    ours = gemv(gate_up, w, gated=True)
-    # The same bf16 activations (one rounding of silu, one of the product) into fp32 sums.
-    torch.testing.assert_close(ours, torch.matmul(silu_and_mul(gate_up), w.T), rtol=1.6e-2,
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate_up = torch.randn(2 * n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
+    ours = gemv(x, gate_up, config, gated=True)
+    assert ours.shape == (rows, n)
+    # Both round gate and up to bf16, then silu(gate), then the product: one rounding apart.
+    torch.testing.assert_close(ours, silu_and_mul(torch.matmul(x, gate_up.T)), rtol=1.6e-2,
                                atol=1e-2)  # fmt: skip
 
 

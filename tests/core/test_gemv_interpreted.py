@@ -1,6 +1,6 @@
 """The decode GEMV's logic on the CPU, through Triton's interpreter (TRITON_INTERPRET=1, in a
 process of its own: the interpreter is chosen when the kernel is defined): ragged N and K, one
-to sixteen rows, every column block, plain and gated, against `F.linear` (after `silu_and_mul`)
+to sixteen rows, every column block, plain and gated, against `F.linear` (then `silu_and_mul`)
 in fp32 (the interpreter's bf16 is not the GPU's; `test_gemv_gpu.py` checks bf16 compiled)."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ SCRIPT = textwrap.dedent("""
     for m, n, k, config in cases:
         x, w = torch.randn(m, k), torch.randn(n, k)
         torch.testing.assert_close(gemv(x, w, config), F.linear(x, w), rtol=1e-4, atol=1e-4)
-        gate_up = torch.randn(m, 2 * k)
-        torch.testing.assert_close(gemv(gate_up, w, config, gated=True),
-                                   F.linear(silu_and_mul(gate_up), w), rtol=1e-4,
+        gate_up = torch.randn(2 * n, k)
+        torch.testing.assert_close(gemv(x, gate_up, config, gated=True),
+                                   silu_and_mul(F.linear(x, gate_up)), rtol=1e-4,
                                    atol=1e-4)  # fmt: skip
     print("matched", len(cases))
 """)
@@ -44,6 +44,7 @@ def test_default_config_gives_every_sm_two_programs():
     assert default_config(19456, 132).block_n == 32  # Qwen3-4B's gate_up: 608 programs
     assert default_config(6144, 132).block_n == 16  # qkv: 192 programs of 32 would be < 264
     assert default_config(2560, 132).block_n == 16
+    assert default_config(9728, 132, gated=True).block_n == 16  # 32 weight rows a program
 
 
 def test_gemv_refuses_what_it_does_not_take():
@@ -60,5 +61,5 @@ def test_gemv_refuses_what_it_does_not_take():
         gemv(torch.zeros(2, 128)[:, ::2], torch.zeros(32, 64), config)
     with pytest.raises(ValueError, match=r"x \[M, K\]"):
         gemv(torch.zeros(1, 64), torch.zeros(32, 63), config)
-    with pytest.raises(ValueError, match=r"x \[M, 2K\]"):
-        gemv(torch.zeros(1, 64), torch.zeros(32, 64), config, gated=True)
+    with pytest.raises(ValueError, match=r"w \[2N, K\]"):
+        gemv(torch.zeros(1, 64), torch.zeros(33, 64), config, gated=True)

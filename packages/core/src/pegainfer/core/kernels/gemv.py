@@ -10,8 +10,11 @@ few thousand columns that is hundreds of programs, all resident at once, enough 
 to keep HBM busy without splitting K. The few rows of x are padded to one 16-row MMA tile (they
 come from L2: every program reads them) and the products accumulate in fp32.
 
-`gated` takes x = [gate | up] and multiplies silu(gate) * up (with `ops.activation`'s casts)
-as it loads each tile: an MLP's down projection without the SiLU-and-mul launch before it.
+`gated` takes w = [gate; up] (an MLP's fused gate_up projection) and returns silu(x gateᵀ) *
+(x upᵀ), with `ops.activation`'s casts: each program owns the same columns of both halves, so
+the activation is its epilogue and the SiLU-and-mul launch after the projection goes away (in
+the down projection's prologue instead, every program would recompute the whole activated row:
+sigmoids of 16 padded rows per program, more than the SFUs keep up with).
 
 `benchmarks/decode_kernels.py` times it against cuBLAS at each layer's shape; it is not wired
 into the model until that shows it faster.
@@ -64,26 +67,33 @@ def _gemv_kernel(
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     m_mask = rm[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up half's columns
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            x_mask = m_mask
+            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
         else:
             k_mask = (k * BLOCK_K + rk)[None, :] < K
             w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-            x_mask = m_mask & k_mask
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if GATED:  # x holds the gates; the ups sit K columns on
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
-            # torch rounds silu(gate) to the input dtype before the product; so do we.
-            act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:  # the up rows sit N rows on
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + N * stride_wn)
+            else:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask, other=0.0)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    dtype = y_ptr.dtype.element_ty
+    if GATED:
+        # As the reference: both halves rounded to the output dtype, silu(gate) rounded again
+        # before the product.
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask & (rn[None, :] < N))
+    tl.store(y_ptrs, acc.to(dtype), mask=m_mask & (rn[None, :] < N))
 
 
 @cache
@@ -91,34 +101,33 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(n: int, sms: int) -> GemvConfig:
-    """32 columns a program where that still gives each of `sms` SMs two programs, else 16.
-    (A 32 x 256 weight tile with x's 16 x 256, four stages deep, takes 96 KiB of shared
-    memory: two programs fit an SM.)"""
-    return GemvConfig(block_n=32 if triton.cdiv(n, 32) >= 2 * sms else 16)
+def default_config(n: int, sms: int, gated: bool = False) -> GemvConfig:
+    """32 columns a program where that still gives each of `sms` SMs two programs, else 16;
+    gated, 16 (of each half). (32 weight rows x 256 with x's 16 x 256, four stages deep, take
+    96 KiB of shared memory: two programs fit an SM.)"""
+    return GemvConfig(block_n=32 if not gated and triton.cdiv(n, 32) >= 2 * sms else 16)
 
 
 def gemv(
     x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, *, gated: bool = False
 ) -> torch.Tensor:
     """`F.linear(x, w)` for x [M, K] with M <= MAX_ROWS and w [N, K], both K-contiguous and of
-    one dtype; y [M, N] in that dtype, accumulated in fp32. `gated`: x is [M, 2K], [gate | up],
-    and y is `F.linear(silu_and_mul(x), w)`."""
-    width = x.shape[-1] // 2 if gated else x.shape[-1]
-    if x.dim() != 2 or w.dim() != 2 or width != w.shape[1] or (gated and x.shape[1] % 2):
-        wanted = "[M, 2K]" if gated else "[M, K]"
+    one dtype; y [M, N] in that dtype, accumulated in fp32. `gated`: w is [2N, K] = [gate; up]
+    and y [M, N] is `silu_and_mul(F.linear(x, w))`."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or (gated and w.shape[0] % 2):
+        wanted = "[2N, K]" if gated else "[N, K]"
         raise ValueError(
-            f"gemv takes x {wanted} and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}"
+            f"gemv takes x [M, K] and w {wanted}, got {tuple(x.shape)} and {tuple(w.shape)}"
         )
-    m, k = x.shape[0], width
-    n = w.shape[0]
+    m, k = x.shape
+    n = w.shape[0] // 2 if gated else w.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {m}")
     if x.dtype != w.dtype:
         raise ValueError(f"gemv takes x and w of one dtype, got {x.dtype} and {w.dtype}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv takes x and w contiguous along K")
-    config = config or default_config(n, _sm_count(x.device))
+    config = config or default_config(n, _sm_count(x.device), gated)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
