@@ -3,7 +3,7 @@
 # with 1/8 of the routed experts (Kimi-K2: 61 layers of 48 experts, INT4 as K2-Thinking stores
 # them; GLM-5: 78 layers of 32 experts, FP8 as GLM-5-FP8). Top-8 routing unchanged, so at batch
 # B these experts see what an EP8 rank's see when each of the 8 attention ranks runs batch B;
-# only the all-to-all is missing. One share per device call (each stays under ~8 minutes):
+# only the all-to-all is missing. One share per device call (each under ~9 minutes):
 #   source .gpu/on-device.sh && SHARE=kimi-k2-int4:61:48 bash benchmarks/rank_share.sh
 #   source .gpu/on-device.sh && SHARE=glm5-fp8:78:32 bash benchmarks/rank_share.sh
 # SHARE is SHAPE:LAYERS:EXPERTS (a make-checkpoint shape). Steps, logs under $OUT/SHAPE:
@@ -17,14 +17,15 @@
 #  4. GPU memory (nvidia-smi at idle and after serving; the engine's own "GPU memory:" plan);
 #  5. the server stopped, `benchmarks/model_step.py` on the same share: decode b1/b64 at a 1k
 #     context and prefill 4k, against the HBM and matmul limits measured in the same run.
-# Every step has a time limit within BUDGET_S (default 540 s) from the start, so a step that
-# hangs costs only what is left after it; SERVER_ARGS are added to the server's flags.
+# Every step has a time limit within BUDGET_S (default 500 s, so that with on-device.sh the call
+# stays under the device tool's 600 s) from the start: a step that hangs costs only what is
+# left after it. SERVER_ARGS are added to the server's flags.
 # MODEL_DIR: where the config-only checkpoint goes (default /tmp/share-SHAPE).
 set -uo pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
 : "${SHARE:?set SHARE=SHAPE:LAYERS:EXPERTS, e.g. kimi-k2-int4:61:48}"
 IFS=: read -r SHAPE LAYERS EXPERTS <<< "$SHARE"
-BUDGET_S=${BUDGET_S:-540}
+BUDGET_S=${BUDGET_S:-500}
 PORT=${PORT:-8000}
 REV=${PEGAINFER_REVISION:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 LOG=$OUT/$SHAPE
