@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -97,3 +99,46 @@ def test_dtype_resolution():
     assert resolve_dtype("auto", {}, cuda) is torch.bfloat16
     with pytest.raises(ConfigError, match="float32 is not supported on CUDA"):
         resolve_dtype("float32", {}, cuda)
+
+
+@pytest.mark.parametrize(
+    ("config", "method", "tokens"),
+    [
+        ('{"method": "mtp", "num_speculative_tokens": 3}', "mtp", 3),
+        ('{"method": "deepseek_mtp", "num_speculative_tokens": 2}', "mtp", 2),
+        ('{"method": "glm4_moe_mtp"}', "mtp", 1),  # vLLM's default: the draft's n_predict, 1
+        ('{"method": "self", "num_speculative_tokens": 4}', "self", 4),
+    ],
+)
+def test_vllm_speculative_config_sets_the_flags(config, method, tokens):
+    """`--speculative-config` as vLLM takes it, through the server's parser."""
+    from pegainfer.server.cli import build_parser
+
+    options = vars(build_parser().parse_args(["--model-path", "x", "--speculative-config",
+                                              config]))  # fmt: skip
+    engine = {f.name for f in dataclasses.fields(EngineArgs)}
+    args = EngineArgs(**{k: v for k, v in options.items() if k in engine}).validate()
+    assert (args.speculative_method, args.speculative_tokens) == (method, tokens)
+    assert args.validate() is args  # validating again finds the same flags
+    explicit = EngineArgs(model="x", speculative_config=config, speculative_tokens=tokens,
+                          speculative_method=method).validate()  # fmt: skip
+    assert (explicit.speculative_method, explicit.speculative_tokens) == (method, tokens)
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "message"),
+    [
+        ('{"method": "eagle3", "model": "m"}', {}, "'model' not supported"),
+        ('{"method": "ngram"}', {}, "method 'ngram' is not supported"),
+        ('{"method": "mtp", "num_speculative_tokens": 0}', {}, "positive integer, got 0"),
+        ('{"num_speculative_tokens": "3"}', {}, "positive integer, got '3'"),
+        ("mtp", {}, "not JSON"),
+        ("[3]", {}, "must be a JSON object"),
+        ('{"num_speculative_tokens": 3}', {"speculative_tokens": 2}, "--speculative-tokens 2"),
+        ('{"method": "mtp"}', {"speculative_method": "self"}, "--speculative-method self"),
+        ('{"num_speculative_tokens": 9}', {}, "speculative_tokens must be in"),
+    ],
+)
+def test_bad_speculative_config(config, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineArgs(model="x", speculative_config=config, **flags).validate()

@@ -14,11 +14,10 @@ import torch
 
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.speculative.mtp import MTPDrafter
 from pegainfer.models.qwen35.line import Qwen35Line
-from pegainfer.models.qwen35.mtp import MTPDrafter
 from tests.engine_harness import generate, greedy, make_engine, submit
-from tests.speculative_harness import OracleDrafter, run_workload
+from tests.speculative_harness import OracleDrafter, check_preemption_and_stops, sequences_of
 
 VOCAB = 1000  # prompt ids are drawn below this (the tiny tokenizer's vocabulary is larger)
 
@@ -43,10 +42,6 @@ def oracle_engine(
     assert isinstance(engine.speculative.drafter, MTPDrafter)
     engine.speculative.drafter = OracleDrafter(k, sequences, VOCAB if spoil else 0)
     return engine
-
-
-def sequences_of(batch: list[list[int]], outputs: list[list[int]]) -> dict[str, list[int]]:
-    return {str(i): p + o for i, (p, o) in enumerate(zip(batch, outputs, strict=True))}
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -100,22 +95,9 @@ def test_preemption_and_stops(path):
     and max_tokens end requests inside accepted runs."""
     batch = prompts(5, (18, 25, 11, 30, 9))
     plain = generate(make_engine(path), batch, greedy(30))
-    at = next(i for i in range(3, 30) if plain[4][i] not in plain[4][:i])
-    stop = plain[4][at]
-    workload = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), [])
-                for i, p in enumerate(batch[:4])]  # fmt: skip
-    workload += [
-        ("4", batch[4], SamplingParams(temperature=0.0, max_tokens=30), [stop]),
-        ("5", batch[4], SamplingParams(temperature=0.0, max_tokens=30, min_tokens=at + 2), [stop]),
-        ("6", batch[1], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), []),
-    ]
-    expected = run_workload(make_engine(path, num_kv_blocks=48, max_model_len=64), workload)
-    assert expected["4"] == (plain[4][: at + 1], "stop")
-    sequences = sequences_of(batch, plain) | {"5": batch[4] + expected["5"][0],
-                                              "6": batch[1] + plain[1]}  # fmt: skip
-    engine = oracle_engine(path, 3, sequences, num_kv_blocks=48, max_model_len=64)
-    assert run_workload(engine, workload) == expected
-    assert engine.scheduler.counters.preemptions > 0
+    small = {"num_kv_blocks": 48, "max_model_len": 64}
+    check_preemption_and_stops(batch, plain, 30, make_engine(path, **small),
+                               lambda s: oracle_engine(path, 3, s, **small))  # fmt: skip
 
 
 def test_self_drafts_are_refused(path):

@@ -8,6 +8,7 @@ never disagree. `validate` checks what can be checked without the model; `Engine
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,42 @@ DECODE_TENSOR_CORE_MODES = ("auto", "always", "never")
 DECODE_TENSOR_CORES_FROM = 16
 #: The most draft tokens per request and step (--speculative-tokens).
 MAX_SPECULATIVE_TOKENS = 8
+
+
+def parse_speculative_config(text: str) -> tuple[str, int]:
+    """(method, number of draft tokens) from vLLM's `--speculative-config` JSON. vLLM's
+    model-specific MTP methods (`deepseek_mtp`, `glm4_moe_mtp`, `qwen3_5_mtp`, ...) are each
+    line's one MTP drafter; vLLM's other methods and keys are refused by name."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ConfigError(
+            f"--speculative-config: {', '.join(map(repr, unknown))} not supported (pegainfer "
+            "reads method and num_speculative_tokens)"
+        )
+    method = config.get("method", "mtp")
+    if not isinstance(method, str):
+        raise ConfigError(f"--speculative-config: method must be a string, got {method!r}")
+    if method.endswith("_mtp"):
+        method = "mtp"
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"--speculative-config: method {method!r} is not supported: pegainfer drafts with "
+            "the checkpoint's MTP layers (mtp, or vLLM's names for them such as deepseek_mtp) "
+            "or, for measurements, with the model itself (self)"
+        )
+    tokens = config.get("num_speculative_tokens", 1)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ConfigError(
+            f"--speculative-config: num_speculative_tokens must be a positive integer, "
+            f"got {tokens!r}"
+        )
+    return method, tokens
 
 
 def _arg(default: Any, help: str, flag: str | None = None) -> Any:
@@ -194,6 +231,13 @@ class EngineArgs:
         "token, so (almost) every draft is accepted: the best case, for measuring a verify "
         "step against accepted length, not for serving.",
     )
+    speculative_config: str | None = _arg(
+        None,
+        "vLLM's form of the two flags above, a JSON object: method (mtp, or a model's MTP name "
+        "as vLLM spells it, e.g. deepseek_mtp, glm4_moe_mtp, qwen3_5_mtp; self) and "
+        "num_speculative_tokens (default 1, the MTP layers of every checkpoint served), e.g. "
+        '\'{"method": "mtp", "num_speculative_tokens": 3}\'.',
+    )
     seed: int = _arg(0, "Seed of the sampler for requests that bring none.")
     load_format: str = _arg(
         "auto",
@@ -254,6 +298,8 @@ class EngineArgs:
                     "--kv-events-config reports the prefix cache's blocks: it needs prefix "
                     "caching (drop --no-prefix-cache)"
                 )
+        if self.speculative_config is not None:
+            self._apply_speculative_config()
         if self.speculative_tokens < 0 or self.speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
                 f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
@@ -296,6 +342,20 @@ class EngineArgs:
                 f"--tensor-parallel-size x --data-parallel-size = {world} ranks do not split "
                 f"evenly over --nnodes {self.nnodes} hosts"
             )
+
+    def _apply_speculative_config(self) -> None:
+        """Set the speculative flags from `--speculative-config` (a second call finds them
+        set to the same values); refuse what it names that pegainfer does not have, and flags
+        that say otherwise."""
+        method, tokens = parse_speculative_config(self.speculative_config)
+        given = {"--speculative-tokens": (self.speculative_tokens, 0, tokens),
+                 "--speculative-method": (self.speculative_method, "mtp", method)}  # fmt: skip
+        for flag, (value, default, wanted) in given.items():
+            if value not in (default, wanted):
+                raise ConfigError(
+                    f"{flag} {value} contradicts --speculative-config's {wanted}: give one"
+                )
+        self.speculative_tokens, self.speculative_method = tokens, method
 
     def _check_speculative(self) -> None:
         """Refuse what speculative decoding does not combine with yet, naming the flags."""

@@ -733,9 +733,8 @@ class EngineCore:
         accepted = {id(chunk.request): len(run) - 1 for chunk, run in zip(samplers, runs,
                                                                         strict=True)}  # fmt: skip
         inputs = DraftInputs.of(step.chunks, batch, accepted)
-        drafted = inputs.drafted
-        if drafted:
-            self.speculative.drafter.propose(inputs).assign(drafted)
+        if inputs.requests:  # (a drafter with a cache fills it for prompt chunks too)
+            self.speculative.drafter.propose(inputs).assign(inputs.drafted)
         return outputs
 
     def _roll_back(self, samplers: list[ScheduledChunk], runs: list[list[int]]) -> None:

@@ -134,6 +134,10 @@ class LatentMoEForCausalLM(Model):
         self.supports_piecewise_graphs = self.supports_cuda_graphs
         self.attn: MultiHeadLatentAttention | None = None
         self.ops: LayerOps | None = None
+        # For an MTP drafter (speculative decoding): every row's final hidden state of the last
+        # forward, in a buffer as long as the longest step (graph replays fill it too).
+        self._max_rows = 0
+        self._final_hidden: torch.Tensor | None = None
 
     def attention_layer(self, cfg: LatentMoEConfig, index: int) -> nn.Module:
         """Layer `index`'s attention module (a line with another attention overrides this)."""
@@ -167,9 +171,13 @@ class LatentMoEForCausalLM(Model):
         ]
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
+        self.set_up_steps(runtime, self.make_attention(runtime), self.embed_tokens.device)
+
+    def make_attention(self, runtime: RuntimeConfig) -> MultiHeadLatentAttention:
+        """The attention backend every layer runs (a line with another attention overrides
+        this)."""
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
-        attn = make_latent_attention(self.latent_shape, dtype, device, runtime)
-        self.set_up_steps(runtime, attn, device)
+        return make_latent_attention(self.latent_shape, dtype, device, runtime)
 
     def set_up_steps(
         self, runtime: RuntimeConfig, attn: MultiHeadLatentAttention, kernels: torch.device
@@ -179,6 +187,21 @@ class LatentMoEForCausalLM(Model):
         self.rope = InterleavedRope(self.cfg.rope, runtime.max_model_len, self.embed_tokens.device)
         self.attn = attn
         self.ops = layer_ops(kernels)
+        self._max_rows = max(runtime.max_num_batched_tokens, *runtime.graph_buckets, 1)
+
+    def keep_final_hidden_states(self) -> None:
+        """From now on (after `init_runtime`, before graphs are captured) every forward keeps
+        each row's final hidden state, for an MTP drafter (`final_hidden_states`)."""
+        if self.data_parallel.world_size > 1 or self.group.world_size > 1:
+            raise ConfigError("an MTP drafter runs on one rank only")
+        self._final_hidden = self.embed_tokens.new_empty(self._max_rows, self.cfg.hidden_size)
+
+    def final_hidden_states(self) -> torch.Tensor:
+        """Every row's hidden state after the final norm, of the last forward, in the rows of
+        a buffer as long as the longest step (a graph replay fills it without running any
+        Python: nothing here knows how many rows the last step had)."""
+        assert self._final_hidden is not None, "keep_final_hidden_states() keeps them"
+        return self._final_hidden
 
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
@@ -293,7 +316,13 @@ class LatentMoEForCausalLM(Model):
         hidden, residual = states
         rows = batch.logits_indices
         counts = batch.parallel_counts(self.data_parallel.world_size)
-        x, _ = self.ops.add_rms_norm(hidden[rows], residual[rows], self.norm, self.cfg.rms_norm_eps)
+        eps = self.cfg.rms_norm_eps
+        if self._final_hidden is not None:  # an MTP drafter reads every row's
+            x, _ = self.ops.add_rms_norm(hidden, residual, self.norm, eps)
+            self._final_hidden[: x.shape[0]].copy_(x)
+            x = x[rows]
+        else:  # only the rows that sample go through the final norm and the LM head
+            x, _ = self.ops.add_rms_norm(hidden[rows], residual[rows], self.norm, eps)
         x = self.data_parallel.gather_rows(x, counts.rows)  # every rank's rows, in rank order
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.data_parallel.rank > 0:  # rank 0 samples every rank's rows

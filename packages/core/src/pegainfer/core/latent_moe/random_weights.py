@@ -37,10 +37,9 @@ def random_weights(
         return {prefix + "gate_proj.weight": normal(inter, h), prefix + "up_proj.weight":
                 normal(inter, h), prefix + "down_proj.weight": normal(h, inter)}  # fmt: skip
 
-    h, heads = cfg.hidden_size, cfg.num_heads
-    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, h, scale=0.3)}
-    for layer in range(cfg.num_layers):
+    def decoder_layer(layer: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{layer}."
+        tensors: dict[str, torch.Tensor] = {}
         attn = p + "self_attn."
         q_out = heads * cfg.qk_head_dim
         if cfg.q_lora_rank is None:
@@ -73,9 +72,28 @@ def random_weights(
             tensors |= mlp(f"{p}mlp.shared_experts.", shared)
         else:
             tensors |= mlp(f"{p}mlp.", cfg.intermediate_size)
+        return tensors
+
+    h, heads = cfg.hidden_size, cfg.num_heads
+    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, h, scale=0.3)}
+    for layer in range(cfg.num_layers):
+        tensors |= decoder_layer(layer)
     tensors["model.norm.weight"] = normal(h, mean=1.0)
     if not cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = normal(cfg.vocab_size, h, scale=0.3)
+    # Multi-token-prediction layers after the decoder's (DeepSeek-V3's layout, GLM-5's): a
+    # decoder layer, the norms of the token's embedding and of the hidden state before their
+    # projection, and the layer's own LM head and its norm (drawn last: a checkpoint with them
+    # has the same decoder weights as one without).
+    for layer in range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers):
+        p = f"model.layers.{layer}."
+        tensors |= decoder_layer(layer) | {
+            p + "enorm.weight": normal(h, mean=1.0),
+            p + "hnorm.weight": normal(h, mean=1.0),
+            p + "eh_proj.weight": normal(h, 2 * h),
+            p + "shared_head.norm.weight": normal(h, mean=1.0),
+            p + "shared_head.head.weight": normal(cfg.vocab_size, h, scale=0.3),
+        }
     return tensors
 
 

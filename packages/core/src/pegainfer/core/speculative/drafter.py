@@ -86,4 +86,5 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, inputs: DraftInputs) -> Drafts:
-        """k drafts for each of `inputs.drafted`, in order."""
+        """k drafts for each of `inputs.drafted`, in order (it may be empty: a step of prompt
+        chunks that do not sample, for a drafter that fills a cache of its own)."""

@@ -44,6 +44,8 @@ class SelfDrafter(Drafter):
         runner, device = self.runner, self.runner.device
         requests = inputs.drafted
         count = len(requests)
+        if not count:
+            return Drafts([])
         params = None
         if not all(r.params.greedy for r in requests):
             # One batch of parameters for all k draft rows (penalties without the drafts).

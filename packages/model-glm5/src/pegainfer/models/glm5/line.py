@@ -10,6 +10,8 @@ from pegainfer.core.model_line import ModelLine, Probe
 
 if TYPE_CHECKING:
     from pegainfer.core.model import Model, ModelContext
+    from pegainfer.core.runner.model_runner import ModelRunner
+    from pegainfer.core.speculative.drafter import Drafter
 
 
 class Glm5Line(ModelLine):
@@ -39,9 +41,27 @@ class Glm5Line(ModelLine):
             ctx,
         )
 
+    def build_drafter(
+        self, model: Model, ctx: ModelContext, num_tokens: int, runner: ModelRunner
+    ) -> Drafter | None:
+        """The checkpoint's MTP layer (`model.layers.{num_hidden_layers}.*`), loaded beside the
+        model."""
+        from pegainfer.core.loading.weights import build_and_load
+        from pegainfer.core.speculative.mtp import MTPDrafter
+        from pegainfer.models.glm5.mtp import Glm5MTP
+
+        if not model.cfg.mtp_layers:
+            return None
+        mtp = build_and_load(lambda: Glm5MTP(model.cfg, model, ctx.expert_parallel), ctx)
+        mtp.after_loading()
+        model.attach_mtp(mtp)
+        return MTPDrafter(mtp, runner, num_tokens)
+
     def write_tiny_checkpoint(
         self, out_dir: Path, *, seed: int = 0, num_shards: int = 1, **overrides: Any
     ) -> None:
         from pegainfer.models.glm5.tiny import write_tiny_glm5
 
+        # GLM-5's MTP layer too, unless told otherwise (`make-checkpoint`'s shapes leave it out).
+        overrides = {"num_nextn_predict_layers": 1} | overrides
         write_tiny_glm5(out_dir, seed=seed, num_shards=num_shards, **overrides)

@@ -8,13 +8,15 @@ and selects each row's top-k keys; a `shared` layer (GLM-5.2) attends over the l
 layer's selection. A sequence that fits in `index_topk` keys would select every key it has:
 its rows attend dense MLA, unscored, beside the longer sequences' sparse rows.
 
-The MTP layer's tensors (`model.layers.{num_hidden_layers}.*`) are recognised and not loaded
-(core's name map): speculative decoding is its own piece of work. Piecewise CUDA graphs for
-mixed steps are not offered (the selection's shapes follow the step's sequences); decode graphs
-are.
+The MTP layer's tensors (`model.layers.{num_hidden_layers}.*`) are not the model's (core's name
+map passes them over): with speculative decoding they load into the drafter (`mtp.Glm5MTP`),
+whose caches join the model's arenas. Piecewise CUDA graphs for mixed steps are not offered
+(the selection's shapes follow the step's sequences); decode graphs are.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,7 +31,6 @@ from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
 from pegainfer.core.latent_moe.attention import LatentAttention
 from pegainfer.core.latent_moe.config import LatentMoEConfig
 from pegainfer.core.latent_moe.model import LatentMoEForCausalLM
-from pegainfer.core.layer_ops import layer_ops
 from pegainfer.core.loading.weights import WeightTarget
 from pegainfer.core.model_line import RuntimeConfig
 from pegainfer.core.ops.interleaved_rope import InterleavedRope
@@ -37,6 +38,9 @@ from pegainfer.core.quant.scheme import QuantScheme
 from pegainfer.core.runner.forward_batch import ForwardBatch
 from pegainfer.models.glm5.config import Glm5Config
 from pegainfer.models.glm5.indexer import Indexer
+
+if TYPE_CHECKING:
+    from pegainfer.models.glm5.mtp import Glm5MTP
 
 # The indexer's checkpoint tensors (under `self_attn.indexer.`) and our parameters.
 _INDEXER_TENSORS = {"wq_b.weight": "wq_b", "wk.weight": "wk", "weights_proj.weight":
@@ -92,6 +96,7 @@ class Glm5ForCausalLM(LatentMoEForCausalLM):
             cfg.index_heads, cfg.index_head_dim, cfg.index_topk, cfg.index_scale
         )
         self._selection: torch.Tensor | None = None
+        self.mtp: Glm5MTP | None = None  # speculative decoding's drafter, once attached
 
     def attention_layer(self, cfg: LatentMoEConfig, index: int) -> nn.Module:
         assert isinstance(cfg, Glm5Config)
@@ -101,15 +106,21 @@ class Glm5ForCausalLM(LatentMoEForCausalLM):
     def kv_arenas(self, block_size: int) -> list[ArenaSpec]:
         cfg, dtype = self.cfg, self.embed_tokens.dtype
         keys = ArenaSpec("index_k", len(self.index_slot), (block_size, cfg.index_head_dim), dtype)
-        return [*super().kv_arenas(block_size), keys]
+        mtp = [] if self.mtp is None else self.mtp.kv_arenas(block_size)
+        return [*super().kv_arenas(block_size), keys, *mtp]
 
-    def init_runtime(self, runtime: RuntimeConfig) -> None:
+    def make_attention(self, runtime: RuntimeConfig) -> SparseLatentAttention:
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
-        self.rope = InterleavedRope(self.cfg.rope, runtime.max_model_len, device)
-        self.attn = make_sparse_latent_attention(
+        return make_sparse_latent_attention(
             self.latent_shape, self.indexer_shape, dtype, device, runtime
         )
-        self.ops = layer_ops(device)
+
+    def attach_mtp(self, mtp: Glm5MTP) -> None:
+        """Serve speculative decoding with `mtp` (after `init_runtime`, before the arenas are
+        read and graphs captured): its caches join the model's arenas, and each forward keeps
+        every row's final hidden state for it."""
+        self.mtp = mtp
+        self.keep_final_hidden_states()
 
     def checkpoint_name_map(self, name: str) -> WeightTarget | list[WeightTarget] | None:
         layer, sep, leaf = name.removeprefix("model.layers.").partition(".self_attn.indexer.")

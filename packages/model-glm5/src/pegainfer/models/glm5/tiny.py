@@ -1,7 +1,8 @@
 """Tiny random GLM-5 checkpoints in the published layout (per-expert tensors, the indexer's,
 the router's float32 correction bias; GLM-5's structure: q-LoRA MLA with nope != value, three
 dense layers then MoE with sigmoid + correction-bias routing, 32 index heads and an
-`index_topk` well below `max_model_len` so prompts of a few dozen tokens attend sparsely), with
+`index_topk` well below `max_model_len` so prompts of a few dozen tokens attend sparsely; with
+`num_nextn_predict_layers` 1, GLM-5's MTP layer after them, the speculative drafter), with
 a working byte-level BPE tokenizer with GLM's special and tool tokens, GLM-5's chat format
 (`tiny_chat_template.jinja`) and its three end-of-turn tokens. For tests and tryouts.
 """
@@ -85,7 +86,8 @@ def indexer_weights(
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The indexers' tensors, as transformers names them (head weights in float32, the key
-    norm away from transformers' 1 and 0)."""
+    norm away from transformers' 1 and 0): the decoder's full indexer layers', then the MTP
+    layers' (each runs its own)."""
     g = torch.Generator(device).manual_seed(seed + 1)
 
     def normal(*shape: int, mean: float = 0.0) -> torch.Tensor:
@@ -93,7 +95,8 @@ def indexer_weights(
 
     heads, dim = cfg.index_heads, cfg.index_head_dim
     tensors = {}
-    for layer in cfg.full_indexer_layers:
+    mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)
+    for layer in [*cfg.full_indexer_layers, *mtp]:
         p = f"model.layers.{layer}.self_attn.indexer."
         tensors |= {
             p + "wq_b.weight": normal(heads * dim, cfg.q_lora_rank).to(dtype),

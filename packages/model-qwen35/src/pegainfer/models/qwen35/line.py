@@ -43,7 +43,8 @@ class Qwen35Line(ModelLine):
     ) -> Drafter | None:
         """The checkpoint's MTP layer (`mtp.*`), loaded beside the model."""
         from pegainfer.core.loading.weights import build_and_load
-        from pegainfer.models.qwen35.mtp import MTPDrafter, Qwen35MTP
+        from pegainfer.core.speculative.mtp import MTPDrafter
+        from pegainfer.models.qwen35.mtp import Qwen35MTP
 
         cfg = model.cfg
         if not cfg.mtp_num_hidden_layers:
@@ -55,7 +56,7 @@ class Qwen35Line(ModelLine):
             )
         mtp = build_and_load(lambda: Qwen35MTP(cfg, model), ctx)
         model.attach_mtp(mtp)
-        return MTPDrafter(model, mtp, runner, num_tokens)
+        return MTPDrafter(mtp, runner, num_tokens)
 
     def kernel_plan(self, ctx: ModelContext, bounds: StepBounds) -> KernelPlan:
         from pegainfer.core.loading.weights import meta_model

@@ -5,9 +5,7 @@ i, with h_i the target's final hidden state there (after its last norm) and e th
 token i + 1: `fc(concat[norm_e(e), norm_h(h_i)])` (2H -> H, zero-centred norms), one
 full-attention Qwen3.5 decoder layer at position i over its own paged KV (arena "mtp_kv", in
 the sequences' block tables), then `mtp.norm`; the main LM head reads that to predict token
-i + 2. The first draft runs the layer over every row of the step that stands (so its KV covers
-every position the target computed); each further draft runs it once per request on its own
-output and the draft before, one position on, as vLLM and SGLang do. Drafts are greedy.
+i + 2. Core's `MTPDrafter` runs it (`core.speculative.mtp`).
 """
 
 from __future__ import annotations
@@ -16,14 +14,13 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pegainfer.core.distributed import parallel
+from pegainfer.core.kv.kv_cache import KVCache
 from pegainfer.core.loading.weights import WeightTarget, empty_param
 from pegainfer.core.ops import rms_norm
-from pegainfer.core.runner.forward_batch import ForwardBatch, to_device
-from pegainfer.core.runner.model_runner import ModelRunner
-from pegainfer.core.speculative.drafter import Drafter, DraftInputs, Drafts
+from pegainfer.core.runner.forward_batch import ForwardBatch
+from pegainfer.core.speculative.mtp import MTPLayer
 from pegainfer.models.qwen35.config import FULL, Qwen35Config
 from pegainfer.models.qwen35.model import Qwen35ForCausalLM, Qwen35Layer
 
@@ -32,7 +29,7 @@ MTP_KV = "mtp_kv"
 _LAYER = "mtp.layers.0."
 
 
-class Qwen35MTP(nn.Module):
+class Qwen35MTP(MTPLayer):
     """The `mtp.*` weights and the layer's forward; `target` lends its name mapping of a
     decoder layer's tensors (fused projections) and, when running, its embedding, rotary
     tables, attention backend and layer ops."""
@@ -58,13 +55,17 @@ class Qwen35MTP(nn.Module):
                     for t in targets]  # fmt: skip
         return WeightTarget(name.removeprefix("mtp.").removesuffix(".weight"))
 
+    def target_hidden_states(self) -> torch.Tensor:
+        return self._target[0].final_hidden_states()
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self._target[0].attn.plan(batch)
+
     def forward(
-        self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: torch.Tensor
+        self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
     ) -> torch.Tensor:
-        """`hidden` [T, H]: the state each row continues from (the target's, or the layer's
-        own); `ids` [T]: the token after each row's position. Returns the layer's output
-        after `mtp.norm` [T, H], the next draft's `hidden`."""
-        target, cfg = self._target[0], self.cfg
+        """The layer's output after `mtp.norm` [T, H] is the next draft's `hidden`."""
+        target, cfg, kv = self._target[0], self.cfg, kv_cache[MTP_KV][0]
         eps, ops, layer = cfg.rms_norm_eps, target.ops, self.layer
         embedded = parallel.vocab_parallel_embedding(ids, target.embed_tokens, target.group)
         x = torch.cat([
@@ -78,46 +79,7 @@ class Qwen35MTP(nn.Module):
         return out
 
     def greedy(self, out: torch.Tensor) -> torch.Tensor:
-        """The draft each row of `out` predicts: the target's LM head's argmax."""
+        """The target's LM head's argmax."""
         target = self._target[0]
         head = target.embed_tokens if target.lm_head is None else target.lm_head
         return parallel.vocab_parallel_logits(out, head, target.group).argmax(dim=-1)
-
-
-class MTPDrafter(Drafter):
-    def __init__(
-        self, target: Qwen35ForCausalLM, mtp: Qwen35MTP, runner: ModelRunner, num_tokens: int
-    ) -> None:
-        super().__init__(num_tokens)
-        self.target = target
-        self.mtp = mtp
-        self.runner = runner
-
-    def propose(self, inputs: DraftInputs) -> Drafts:
-        runner, device, target = self.runner, self.runner.device, self.target
-        kv = runner.kv_cache[MTP_KV][0]
-        # First draft: every standing row, fed the token after it, from the target's state.
-        chunks = [r.token_ids[start + 1 : start + 1 + kept]
-                  for r, start, kept in zip(inputs.requests, inputs.starts, inputs.kept,
-                                            strict=True)]  # fmt: skip
-        rows = [first + j for first, kept in zip(inputs.first_rows, inputs.kept, strict=True)
-                for j in range(kept)]  # fmt: skip
-        tables = [r.block_ids for r in inputs.requests]
-        batch = ForwardBatch.build(chunks, inputs.starts, tables, inputs.drafting,
-                                   runner.block_size, device)  # fmt: skip
-        hidden = target.final_hidden_states()[to_device(rows, device)]
-        target.attn.plan(batch)
-        out = self.mtp(batch.input_ids, hidden, batch, kv)[batch.logits_indices]
-        drafts = [self.mtp.greedy(out)]
-        # Further drafts: the layer on its own output and the draft before, one position on.
-        requests = inputs.drafted
-        count, drafted_tables = len(requests), [r.block_ids for r in requests]
-        for j in range(1, self.num_tokens):
-            positions = [r.num_tokens - 2 + j for r in requests]
-            batch = ForwardBatch.build([[0]] * count, positions, drafted_tables, [True] * count,
-                                       runner.block_size, device)  # fmt: skip
-            batch.input_ids.copy_(drafts[-1])
-            target.attn.plan(batch)
-            out = self.mtp(batch.input_ids, out, batch, kv)
-            drafts.append(self.mtp.greedy(out))
-        return Drafts(torch.stack(drafts, dim=1).tolist())
