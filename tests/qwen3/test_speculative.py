@@ -11,18 +11,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from pegainfer import LLM, SamplingParams
+from pegainfer import SamplingParams
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.engine.metrics import Metrics
-from pegainfer.core.errors import ConfigError, InvalidRequestError
-from pegainfer.core.sampling.structured_output import StructuredOutput
+from pegainfer.core.errors import ConfigError
 from pegainfer.core.speculative.drafter import Drafter, DraftInputs, Drafts
 from pegainfer.models.qwen3.line import Qwen3Line
 from tests import engine_harness
 from tests.engine_harness import DEFAULTS, check_prefix_hit_equals_cold, generate, greedy
 from tests.qwen3.hf_reference import VOCAB, load_hf
-from tests.speculative_harness import SpoilingDrafter, run_workload
+from tests.speculative_harness import (
+    SpoilingDrafter,
+    check_stop_string_inside_an_accepted_run,
+    chi_square,
+    chi_square_999,
+    run_workload,
+)
 
 
 def speculative_engine(path: Path, k: int, spoil: bool = False, **overrides) -> EngineCore:
@@ -192,41 +197,22 @@ def test_metrics_report_spec_decode_counters(path):
 
 
 def test_stop_string_inside_an_accepted_run(tmp_path):
-    """A stop string completed by a token inside a run of accepted drafts ends the output
-    there: text and token ids equal plain decoding's."""
+    """A stop string completed inside a run of accepted drafts ends the output there."""
     Qwen3Line().write_tiny_checkpoint(tmp_path, seed=3, num_hidden_layers=2)
-    plain = LLM(str(tmp_path), max_model_len=128, block_size=4, device="cpu")
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    text = plain.generate(["Hello there"], params)[0].text
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    assert stop.strip(), text
-    stopped = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
-    expected = plain.generate(["Hello there"], stopped)[0]
-    assert expected.finish_reason == "stop"
-    speculative = LLM(str(tmp_path), max_model_len=128, block_size=4, device="cpu",
-                      speculative_tokens=4, speculative_method="self")  # fmt: skip
-    got = speculative.generate(["Hello there"], stopped)[0]
-    assert (got.text, got.token_ids, got.finish_reason) == (
-        expected.text,
-        expected.token_ids,
-        expected.finish_reason,
-    )
+    check_stop_string_inside_an_accepted_run(tmp_path)
 
 
 def test_refusals(path):
     with pytest.raises(ConfigError, match="no MTP drafter"):
         engine_harness.make_engine(path, speculative_tokens=2)
+    with pytest.raises(ConfigError, match="no MTP drafter"):  # vLLM's form
+        engine_harness.make_engine(path, speculative_config='{"method": "qwen3_5_mtp"}')
     for flags, named in (({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
                          ({"kv_offload": True}, "--kv-offload")):  # fmt: skip
         with pytest.raises(ConfigError, match=named):
             EngineArgs(model=str(path), speculative_tokens=2, **flags).validate()
     with pytest.raises(ConfigError, match="speculative_tokens"):
         EngineArgs(model=str(path), speculative_tokens=-1).validate()
-    engine = speculative_engine(path, 2)
-    schema = StructuredOutput.json_schema({"type": "object"})
-    with pytest.raises(InvalidRequestError, match="--speculative-tokens"):
-        engine_harness.submit(engine, "json", [1, 2, 3],
-                              SamplingParams(max_tokens=4, structured=schema))  # fmt: skip
 
 
 class UniformDrafter(Drafter):
@@ -242,12 +228,6 @@ class UniformDrafter(Drafter):
         count, k = len(inputs.drafted), self.num_tokens
         tokens = torch.randint(0, self.vocab, (count, k), generator=self.generator)
         return Drafts(tokens.tolist(), torch.full((count, k, self.vocab), 1.0 / self.vocab))
-
-
-def chi_square_999(df: int) -> float:
-    """The chi-square distribution's 0.999 quantile (Wilson and Hilferty's approximation)."""
-    z, a = 3.0902, 2.0 / (9.0 * df)
-    return df * (1.0 - a + z * a**0.5) ** 3
 
 
 def test_sampled_output_follows_the_model(path):
@@ -270,8 +250,5 @@ def test_sampled_output_follows_the_model(path):
         logits = load_hf(path)(torch.tensor([[*prompt, first]])).logits[0, -1]
     expected = (logits.double() / 0.3).softmax(-1) * len(second)
     observed = torch.bincount(second, minlength=VOCAB).double()
-    bins = expected >= 5  # the rest pooled into one bin
-    chi2 = ((observed[bins] - expected[bins]) ** 2 / expected[bins]).sum()
-    rest_observed, rest_expected = observed[~bins].sum(), expected[~bins].sum()
-    chi2 += (rest_observed - rest_expected) ** 2 / rest_expected.clamp_min(1e-9)
-    assert chi2 < chi_square_999(int(bins.sum())), (chi2, int(bins.sum()))
+    chi2, df = chi_square(observed, expected)
+    assert chi2 < chi_square_999(df), (chi2, df)

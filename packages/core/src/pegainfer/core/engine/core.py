@@ -568,10 +568,6 @@ class EngineCore:
     def check_request(self, msg: EngineRequest) -> int:
         """Validate a request against the model; return its resolved max_tokens."""
         max_tokens = RequestLimits(self.config.vocab_size, self.config.max_model_len).check(msg)
-        if msg.params.structured is not None and self.speculative is not None:
-            raise InvalidRequestError(
-                "structured output does not work with --speculative-tokens yet", "response_format"
-            )
         if msg.params.structured is not None:  # compiles against the tokenizer, or says why not
             self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
         return max_tokens

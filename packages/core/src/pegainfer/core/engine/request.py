@@ -144,13 +144,16 @@ class Request:
         elif outputs >= self.max_tokens or index + 1 >= max_model_len:
             self.finish_reason = "length"
 
-    def commit_tokens(self, token_ids: Sequence[int], max_model_len: int) -> int:
+    def commit_tokens(self, token_ids: Sequence[int], max_model_len: int, consume: bool) -> int:
         """A verify step's accepted tokens (speculative decoding) arrived for its pending
         token: commit them in order until one ends the request; return how many were taken
-        (those after the end are dropped, as if never sampled)."""
+        (those after the end are dropped, as if never sampled). `consume`: its grammar, if
+        any, consumes each before it is committed (else it has consumed them already)."""
         for taken, token_id in enumerate(token_ids, 1):
             if taken > 1:
                 self.reserve_token()
+            if consume and self.grammar is not None:
+                self.grammar.consume_token(token_id)
             self.commit_token(token_id, max_model_len)
             if self.finish_reason is not None:
                 return taken

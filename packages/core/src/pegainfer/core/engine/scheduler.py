@@ -279,18 +279,23 @@ class Scheduler:
         sampled = list(sampled)
         if any(chunk.request.grammar is not None for chunk in step.chunks):
             self._advance_grammars(step, sampled)
-        return [request for request, _ in self._commit_runs(step, [[t] for t in sampled])]
+        runs = self._commit_runs(step, [[t] for t in sampled], consume=False)
+        return [request for request, _ in runs]
 
     def commit_verified(
         self, step: SchedulerStep, runs: list[list[int]]
     ) -> list[tuple[Request, int]]:
         """A speculative step's tokens arrived: per sampling chunk, its accepted drafts and the
         token after them. The rejected drafts' KV is dropped (their positions are computed
-        again), the tokens committed until one ends the request; returns the requests that got
-        tokens, with how many they kept."""
-        return self._commit_runs(step, runs)
+        again), the tokens committed until one ends the request, each consumed by the
+        request's grammar first; returns the requests that got tokens, with how many they
+        kept."""
+        return self._commit_runs(step, runs, consume=True)
 
-    def _commit_runs(self, step: SchedulerStep, runs: list[list[int]]) -> list[tuple[Request, int]]:
+    def _commit_runs(
+        self, step: SchedulerStep, runs: list[list[int]], consume: bool
+    ) -> list[tuple[Request, int]]:
+        """`consume`: grammars consume each token as it is committed (else they did already)."""
         tokens = iter(runs)
         touched: list[tuple[Request, int]] = []
         for chunk in step.chunks:
@@ -304,7 +309,8 @@ class Scheduler:
                 # accepted ones are computed again with the token after them.
                 rolled_back = chunk.rollback is not None and rejected > 0
                 request.num_computed_tokens -= chunk.num_drafts if rolled_back else rejected
-                touched.append((request, request.commit_tokens(run, self.config.max_model_len)))
+                taken = request.commit_tokens(run, self.config.max_model_len, consume)
+                touched.append((request, taken))
             if request.status is RequestStatus.RUNNING:
                 self._seal_full_blocks(request)
             if request.finish_reason is not None:

@@ -7,7 +7,9 @@ step, the matchers of the constrained rows write a bitmask of the tokens allowed
 the sampler applies to the logits before anything else, so constrained and free rows share
 the batch (`grammar_mask.py`, the step's side). A constrained request needs its previous token
 on the host before its next mask, so the engine brings pending tokens home first under async
-scheduling.
+scheduling. With speculative decoding a request's verify rows are masked by its matcher's
+states after each of its drafts, and the matcher then consumes the accepted tokens, one by one
+as they are committed.
 
 Where grammars compile: llguidance (unlike xgrammar) imports no torch, and neither does this
 module, so the HTTP server compiles each request's grammar in its own process, on its frontend

@@ -1,5 +1,7 @@
 """The verify side of a speculative step: each sampling request's 1 + n logits rows become its
-accepted drafts and the token after them, with the counts vLLM's `spec_decode` metrics report."""
+accepted drafts and the token after them, with the counts vLLM's `spec_decode` metrics report.
+A request with structured output has each row masked by its grammar's state after the drafts
+before the row, so only tokens its grammar allows are accepted or drawn."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pegainfer.core.engine.messages import SpecDecodeStats
 from pegainfer.core.engine.request import Request
 from pegainfer.core.engine.scheduler import ScheduledChunk
 from pegainfer.core.runner.forward_batch import to_device
+from pegainfer.core.sampling.grammar_mask import mask_drafted_logits
 from pegainfer.core.sampling.sampler import (
     SamplingBatch,
     ScoredTokens,
@@ -77,6 +80,12 @@ class SpeculativeDecoding:
         scores of its rows' tokens)."""
         rows = _Rows.of(chunks)
         device = logits.device
+        scored = logits  # logprobs are the model's own, before any mask (as vLLM's)
+        constrained = [(r.grammar, rows.offsets[i], rows.drafts(i))
+                       for i, r in enumerate(rows.requests)
+                       if r.grammar is not None and not r.grammar.is_error()]  # fmt: skip
+        if constrained:
+            logits = mask_drafted_logits(logits, constrained)
         width = rows.width
         drafts = to_device([d for i in range(len(chunks))
                             for d in (rows.drafts(i) + [-1] * width)[:width]],
@@ -98,7 +107,7 @@ class SpeculativeDecoding:
             noise = exponential_noise(probs.shape, batch.generators, device)
             verified = rejection_sample(probs[index], drafts, self._draft_probs(rows, drafts),
                                         num_drafts, uniform, noise[index])  # fmt: skip
-        return verified, self._scores(logits, rows, verified)
+        return verified, self._scores(scored, rows, verified)
 
     def _generators(self, rows: _Rows) -> list[torch.Generator]:
         return [r.generator or self.default_generator for r in rows.requests]
