@@ -61,6 +61,7 @@ from pegainfer.server.bench.step_limits import (
     attention_flops,
     is_routed,
     kv_read_bytes,
+    measured_expert_spread,
     untouched_experts,
 )
 
@@ -204,10 +205,10 @@ def decode_step_time(
     profile_dir: Path | None,
     mixed_prompt: int = 0,
     constrained: float = 0.0,
-) -> tuple[float, float | None, float | None]:
+) -> tuple[float, float | None, float | None, float | None]:
     """Median wall time of a full engine step, GPU time of the step's graph replay (one GPU
-    only), and (with `mixed_prompt`) median wall time of a step that also prefills a new
-    prompt that long.
+    only), (with `mixed_prompt`) median wall time of a step that also prefills a new prompt
+    that long, and (MoE lines, one GPU) the fraction of routed experts one step reads.
     A `constrained` fraction of the requests decode under a JSON-schema grammar."""
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
@@ -231,6 +232,7 @@ def decode_step_time(
         graphs = engine.runner.graphs
         bucket = min(b for b in graphs.buckets if b >= batch)
         replay = cuda_time(graphs._graphs[bucket].replay)
+    spread = measured_expert_spread(engine)
     if profile_dir is not None:
         suffix = f"_constrained{constrained:g}" if constrained else ""
         profile_steps(engine, profile_dir / f"profile_b{batch}{suffix}.txt", engine.step)
@@ -255,7 +257,7 @@ def decode_step_time(
             path = profile_dir / f"profile_b{batch}_plus_prefill{mixed_prompt}.txt"
             profile_steps(engine, path, mixed_step)
     engine.abort(list(engine.requests))
-    return decode_median, replay, mixed
+    return decode_median, replay, mixed, spread
 
 
 def finish_one_step(engine: EngineCore) -> None:
@@ -458,7 +460,7 @@ def main() -> None:
     decode = []
     for batch, constrained in itertools.product(batches, args.constrained):
         profile_dir = args.out.parent if batch in profiled else None
-        step, replay, mixed = decode_step_time(
+        step, replay, mixed, spread = decode_step_time(
             engine, batch, args.context, args.steps, profile_dir, args.mixed_prompt, constrained,
         )  # fmt: skip
         # One rank's sequences (data-parallel attention spreads them over the ranks); its
@@ -475,6 +477,8 @@ def main() -> None:
         })  # fmt: skip
         if experts:
             decode[-1]["routed_experts_read_fraction"] = 1 - untouched(batch)
+            # What the weights' routing chose in one eager step (the limit assumes even routing).
+            decode[-1]["routed_experts_read_measured"] = spread
         if mixed is not None:
             decode[-1]["step_with_prefill_ms"] = mixed * 1e3
         print(decode[-1], flush=True)

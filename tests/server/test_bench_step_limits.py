@@ -14,13 +14,16 @@ import pytest
 import torch
 
 from pegainfer.core.kv.kv_cache import ArenaSpec
+from pegainfer.server.bench import make_checkpoint as mc
 from pegainfer.server.bench.memory_plan import Layout, build_on_meta, shape_config
 from pegainfer.server.bench.step_limits import (
     MatmulWeights,
     attention_flops,
     kv_read_bytes,
+    measured_expert_spread,
     untouched_experts,
 )
+from tests.engine_harness import greedy, make_engine, submit
 
 ROOT = Path(__file__).parents[2]
 # Kimi-K2's structure at a small width (block-aligned for FP8, group-aligned for INT4).
@@ -64,6 +67,24 @@ def test_untouched_experts_match_random_routing():
         len(set().union(*(rng.sample(range(48), 8) for _ in range(16)))) for _ in range(trials)
     )
     assert 1 - seen / trials / 48 == pytest.approx(untouched_experts(48, 8, 16), abs=0.01)
+
+
+@pytest.mark.line("kimi_k2")
+def test_the_measured_spread_counts_the_experts_a_step_chooses(tmp_path):
+    top_2_of_16 = {"n_routed_experts": 16, "num_experts_per_tok": 2}
+    mc.write_weights("kimi-k2", tmp_path, overrides=SMALL_KIMI | top_2_of_16, weights=False)
+    engine = make_engine(tmp_path, load_format="dummy", async_scheduling=False)
+    try:
+        submit(engine, "one", list(range(1, 9)), greedy(8))
+        engine.step()  # the prompt; then each step decodes one token
+        assert measured_expert_spread(engine) == pytest.approx(2 / 16)  # top-2 of 16
+        for i in range(5):
+            submit(engine, str(i), list(range(10 * i + 1, 10 * i + 9)), greedy(8))
+        engine.step()
+        spread = measured_expert_spread(engine)  # six tokens: 2 to 12 of the 16 experts
+        assert 2 / 16 <= spread <= 12 / 16
+    finally:
+        engine.shutdown()
 
 
 def glm_arenas(layers: int = 4) -> list[ArenaSpec]:

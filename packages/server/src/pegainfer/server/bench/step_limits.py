@@ -9,14 +9,20 @@ sparse attention (GLM-5's) reads the latents of the keys it selects.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from pegainfer.core.kv.kv_cache import ArenaSpec
+from pegainfer.core.moe.layer import MoE
 from pegainfer.core.quant.linear import QuantLinear
 from pegainfer.core.quant.scheme import Fp8Block
+
+if TYPE_CHECKING:
+    from pegainfer.core.engine.core import EngineCore
 
 # The KV arena of a sparse-attention model's indexer keys (GLM-5's).
 INDEX_ARENA = "index_k"
@@ -52,6 +58,44 @@ class MatmulWeights:
             routed=sum(n for name, n, _ in sizes if is_routed(name)),
             fp8=sum(n for name, n, fp8 in sizes if fp8 and not is_routed(name)),
         )
+
+
+def measured_expert_spread(engine: EngineCore) -> float | None:
+    """The fraction of each MoE layer's routed experts that the tokens of the engine's next
+    step choose, averaged over the layers: the step run eagerly (its CUDA graphs set aside for
+    it) with each layer's routing recorded. How evenly the weights route, beside
+    `untouched_experts`' assumption; None for a model without routed experts or with parallel
+    ranks (whose steps every rank must run alike)."""
+    runner = engine.runner
+    moes = [m for m in engine.model.modules() if isinstance(m, MoE)]
+    if not moes or engine.ranks is not None or runner is None:
+        return None
+    chosen: list[tuple[MoE, torch.Tensor]] = []
+
+    def recording(moe: MoE) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        route = moe.route
+
+        def record(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            weights, experts = route(x)
+            chosen.append((moe, experts))
+            return weights, experts
+
+        return record
+
+    graphs = runner.graphs, runner.mixed_graphs
+    runner.graphs = runner.mixed_graphs = None
+    for moe in moes:
+        moe.route = recording(moe)  # an instance attribute over the method
+    try:
+        engine.step()
+    finally:
+        runner.graphs, runner.mixed_graphs = graphs
+        for moe in moes:
+            del moe.route
+    if not chosen:
+        return None
+    spread = [experts.unique().numel() / moe.experts.count for moe, experts in chosen]
+    return sum(spread) / len(spread)
 
 
 def untouched_experts(experts: int, top_k: int, tokens: int) -> float:
