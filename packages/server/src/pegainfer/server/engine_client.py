@@ -8,13 +8,20 @@ outputs are detokenized (never on the engine loop) and measured for metrics. A c
 falls behind gets the outputs queued meanwhile as one delta (one SSE event instead of one per
 token). A request whose consumer goes away is aborted.
 
-Work on a request before it reaches the engine (chat templates, tokenizing, grammar compiles)
-runs on a small pool of threads (`run_frontend`), never on the event loop: a 10 MB prompt
+Work on a request before it reaches the engine (chat templates, tokenizing, waiting for the
+engine's verdict on a grammar) runs on a small pool of threads (`run_frontend`), never on the
+event loop: a 10 MB prompt
 takes seconds to tokenize, and every stream and `/health` must keep answering meanwhile.
 Tokenizing and compiling release the GIL; a template holds it only in slices. A request being
 prepared is a request waiting: it holds a waiting slot (and its body, up to the body limit)
 until its preparation is done, so requests piling up behind slow preparations are bounded by
 `--max-waiting-requests` and refused past it as a full queue refuses them.
+
+A request's grammar is compiled by the engine, not here (`check_grammar`): the engine needs
+it compiled to mask the request's tokens, and compiling it here too would cost this process
+llguidance's view of the tokenizer (~120 MiB for Qwen3's vocabulary) and the compile twice.
+The engine compiles it on its grammar threads, off the step loop, keeps it for the request,
+and answers before the request is sent, so a bad grammar is still a 400.
 """
 
 from __future__ import annotations
@@ -22,19 +29,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from pegainfer.core.engine.frontend import Frontend, RequestLimits, RequestStream, StreamDelta
 from pegainfer.core.engine.loop import EngineConnection, decode_outputs
-from pegainfer.core.engine.messages import AbortRequest, EngineRequest, RequestOutput
+from pegainfer.core.engine.messages import (
+    AbortRequest,
+    CheckGrammar,
+    EngineRequest,
+    RequestOutput,
+)
 from pegainfer.core.engine.metrics import Metrics
+from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.process_info import release_freed_memory
-from pegainfer.core.sampling.structured_output import Grammars
+from pegainfer.core.sampling.structured_output import StructuredOutput
 
 
 class EngineFailedError(RuntimeError):
@@ -90,9 +105,7 @@ class AsyncEngineClient:
     ) -> None:
         self.config = engine.config
         self.limits = RequestLimits(
-            self.config.vocab_size,
-            self.config.max_model_len,
-            Grammars(lambda: frontend.tokenizer, self.config.vocab_size),
+            self.config.vocab_size, self.config.max_model_len, self.check_grammar
         )
         self.frontend = frontend
         self.metrics = metrics
@@ -106,6 +119,11 @@ class AsyncEngineClient:
         self._slot_freed_at = time.monotonic()  # when a waiting slot was last given back
         self._reservations: list[Reservation] = []
         self._failed = False
+        # Grammars the engine is compiling for frontend threads waiting on its verdict, by
+        # check id; once it cannot answer, `_checks_ended` is why (shared with those threads).
+        self._checks: dict[str, Future[str | None]] = {}
+        self._checks_ended: EngineFailedError | None = None
+        self._checks_lock = threading.Lock()
         # Shutdown: draining (no new requests; those in flight may finish), then stopped
         # (what is left was ended; nothing more starts). `_idle` is set once none are left.
         self.draining = False
@@ -137,8 +155,33 @@ class AsyncEngineClient:
             self._slot_freed_at = time.monotonic()
 
     def close(self) -> None:
-        """Stop the frontend's threads (work already queued still finishes)."""
+        """Stop the frontend's threads (work already queued still finishes; a thread waiting
+        for a grammar's verdict gets `ShuttingDownError`)."""
+        self._end_checks(ShuttingDownError(_SHUTTING_DOWN))
         self._frontend_pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_grammar(self, structured: StructuredOutput, eos_token_ids: list[int]) -> None:
+        """Have the engine compile `structured` for requests ending in `eos_token_ids` and
+        wait for its verdict (on a frontend thread: it blocks); raise `InvalidRequestError`
+        if the grammar cannot be served, `EngineFailedError` if the engine cannot answer."""
+        check_id = uuid.uuid4().hex
+        verdict: Future[str | None] = Future()
+        with self._checks_lock:
+            if self._checks_ended is not None:
+                raise self._checks_ended
+            self._checks[check_id] = verdict
+        self._engine.send(CheckGrammar(check_id, structured, eos_token_ids))
+        error = verdict.result()
+        if error is not None:
+            raise InvalidRequestError(error, structured.kind)
+
+    def _end_checks(self, reason: EngineFailedError) -> None:
+        """No verdict will come: every waiting check, and any later one, fails with `reason`."""
+        with self._checks_lock:
+            self._checks_ended = self._checks_ended or reason
+            waiting, self._checks = self._checks, {}
+        for verdict in waiting.values():
+            verdict.set_exception(reason)
 
     async def drain(self, grace: float) -> None:
         """Stop taking requests, give those in flight up to `grace` seconds to finish, then
@@ -179,7 +222,13 @@ class AsyncEngineClient:
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
+        for checked in batch.grammar_checks:
+            with self._checks_lock:
+                verdict = self._checks.pop(checked.check_id, None)
+            if verdict is not None:
+                verdict.set_result(checked.error)
         if batch.engine_failed is not None:
+            self._end_checks(EngineFailedError(batch.engine_failed))
             self._failed = True
             for request_id, queue in self._queues.items():
                 queue.put_nowait(RequestOutput.failure(request_id, batch.engine_failed))

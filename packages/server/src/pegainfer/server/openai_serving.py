@@ -153,9 +153,9 @@ def engine_request(
     params: SamplingParams,
     body: Any,
 ) -> EngineRequest:
-    """The request for the engine, checked as the engine will check it (a grammar without
-    the tokenizer: the engine process compiles it), so a bad one is a 400, never a failure
-    mid-stream."""
+    """The request for the engine, checked as the engine will check it (its grammar by the
+    engine itself, which compiles it: `AsyncEngineClient.check_grammar`), so a bad one is a
+    400, never a failure mid-stream."""
     request = client.frontend.make_request(rid, prompt_token_ids, params)
     request.cache_salt = body.cache_salt
     try:

@@ -68,7 +68,7 @@ from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunne
 from pegainfer.core.runner.piecewise_graphs import token_buckets
 from pegainfer.core.runner.warmup import WarmupShape, warm_up, watch_late_compiles
 from pegainfer.core.sampling.sampler import ScoredTokens, sample_requests
-from pegainfer.core.sampling.structured_output import Grammars
+from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
 from pegainfer.core.speculative.drafter import Drafter, DraftInputs
 from pegainfer.core.speculative.self_drafter import SelfDrafter
 from pegainfer.core.speculative.verify import SpeculativeDecoding
@@ -568,9 +568,14 @@ class EngineCore:
     def check_request(self, msg: EngineRequest) -> int:
         """Validate a request against the model; return its resolved max_tokens."""
         max_tokens = RequestLimits(self.config.vocab_size, self.config.max_model_len).check(msg)
-        if msg.params.structured is not None:  # compiles against the tokenizer, or says why not
-            self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
+        if msg.params.structured is not None:
+            self.check_grammar(msg.params.structured, msg.eos_token_ids)
         return max_tokens
+
+    def check_grammar(self, structured: StructuredOutput, eos_token_ids: list[int]) -> None:
+        """Compile `structured` against the tokenizer (kept for the requests that use it), or
+        raise `InvalidRequestError` saying why it cannot be served."""
+        self.grammars.matcher(structured, eos_token_ids)
 
     def add_request(self, msg: EngineRequest) -> None:
         if msg.request_id in self.requests:

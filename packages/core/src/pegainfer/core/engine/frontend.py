@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ from pegainfer.core.loading.generation_config import GenerationDefaults
 from pegainfer.core.plugins import find_model_line
 from pegainfer.core.process_info import release_freed_memory
 from pegainfer.core.sampling.sampling_params import SamplingParams
-from pegainfer.core.sampling.structured_output import Grammars
+from pegainfer.core.sampling.structured_output import StructuredOutput
 from pegainfer.core.text.detokenizer import IncrementalDetokenizer
 from pegainfer.core.text.tokenizer import Tokenizer
 
@@ -67,10 +68,11 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
-    #: The server's: a grammar is compiled against the tokenizer and its first mask computed
-    #: (some grammars fail only there), each spec once, so every bad one is a 400. Without
-    #: it a grammar is checked without the tokenizer (`StructuredOutput.validate`).
-    grammars: Grammars | None = None
+    #: The server's: compiles a grammar against the tokenizer and computes its first mask
+    #: (some grammars fail only there), raising `InvalidRequestError`, so every bad one is a
+    #: 400 (the engine does it: `AsyncEngineClient.check_grammar`). Without it a grammar is
+    #: checked without the tokenizer (`StructuredOutput.validate`).
+    check_grammar: Callable[[StructuredOutput, list[int]], None] | None = None
 
     def check(self, msg: EngineRequest) -> int:
         """Raise `InvalidRequestError` naming the first problem; return the resolved
@@ -85,8 +87,8 @@ class RequestLimits:
                 f"prompt token ids {outside[:5]} are out of vocabulary [0, {vocab})", "prompt"
             )
         msg.params.validate(vocab)
-        if msg.params.structured is not None and self.grammars is not None:
-            self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
+        if msg.params.structured is not None and self.check_grammar is not None:
+            self.check_grammar(msg.params.structured, msg.eos_token_ids)
         elif msg.params.structured is not None:
             msg.params.structured.validate()
         self.check_prompt_length(len(prompt))

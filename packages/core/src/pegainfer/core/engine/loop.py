@@ -7,7 +7,9 @@ which runs `EngineLoop.run` in the engine process's main thread) through one int
 `EngineConnection`. The loop blocks when it has nothing to do; aborts and new requests take
 effect at the next step. A request with a grammar is compiled against the tokenizer on a
 thread of the loop's pool first and scheduled once its grammar is ready, so a large schema
-never holds up the running requests' steps. Once the loop has idled `SETTLE_S` seconds after
+never holds up the running requests' steps; so does the server's `CheckGrammar` (its answer
+goes out with the next outputs, and the grammar stays compiled for the request that follows).
+Once the loop has idled `SETTLE_S` seconds after
 work, the heap its steps freed goes back to the system (at rest the process is as small as
 it can be; a busy loop keeps its freed memory for reuse).
 A failure inside a step ends every request in flight with an error instead of hanging its
@@ -29,8 +31,10 @@ import msgspec
 
 from pegainfer.core.engine.messages import (
     AbortRequest,
+    CheckGrammar,
     EngineOutputs,
     EngineRequest,
+    GrammarChecked,
     Inbound,
     RequestOutput,
     Shutdown,
@@ -94,6 +98,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._compiling: dict[str, tuple[EngineRequest, Future]] = {}
+        self._checking: dict[str, Future] = {}  # CheckGrammar's check_id -> its compile
         self._grammar_pool: ThreadPoolExecutor | None = None
         self._settled = True  # nothing freed since the heap was last given back
         self.error: BaseException | None = None
@@ -143,9 +148,10 @@ class EngineLoop:
                     outputs.extend(self._handle(message))
                 self.engine.check_ranks()
                 outputs.extend(self._admit_compiled())
+                checks = self._answer_checks()
                 outputs.extend(self.engine.step())
-                if outputs:
-                    sink(encode(EngineOutputs(outputs, self.engine.stats())))
+                if outputs or checks:
+                    sink(encode(EngineOutputs(outputs, self.engine.stats(), checks)))
                     outputs = []
         except Exception as exc:
             logger.exception("engine loop failed; failing every request in flight")
@@ -186,7 +192,12 @@ class EngineLoop:
                 release_freed_memory()
         return self._inbox.get()
 
-    def _handle(self, message: EngineRequest | AbortRequest) -> list[RequestOutput]:
+    def _handle(self, message: EngineRequest | AbortRequest | CheckGrammar) -> list[RequestOutput]:
+        if isinstance(message, CheckGrammar):
+            self._checking[message.check_id] = self._on_pool(
+                self.engine.check_grammar, message.structured, message.eos_token_ids
+            )
+            return []
         if isinstance(message, AbortRequest):
             aborted = [rid for rid in message.request_ids if self._compiling.pop(rid, None)]
             outputs = [RequestOutput(request_id=rid, new_token_ids=[], num_cached_tokens=0,
@@ -208,13 +219,18 @@ class EngineLoop:
         """Check the request, its grammar compiled against the tokenizer, on the pool; the
         loop wakes when that is done. The checks and the compiled grammar are remembered, so
         `add_request` repeats them on the loop's thread at the cost of a copy."""
+        self._compiling[message.request_id] = (message, self._on_pool(self.engine.check_request,
+                                                                      message))  # fmt: skip
+
+    def _on_pool(self, work: Callable[..., object], *args: object) -> Future:
+        """`work(*args)` on the grammar pool; the loop wakes when it is done."""
         if self._grammar_pool is None:
             self._grammar_pool = ThreadPoolExecutor(
                 _GRAMMAR_THREADS, thread_name_prefix="pegainfer-grammar"
             )
-        future = self._grammar_pool.submit(self.engine.check_request, message)
+        future = self._grammar_pool.submit(work, *args)
         future.add_done_callback(lambda _: self._inbox.put(None))
-        self._compiling[message.request_id] = (message, future)
+        return future
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand the engine the requests whose grammars have compiled (or fail them)."""
@@ -231,3 +247,16 @@ class EngineLoop:
             else:
                 outputs.extend(self._add(message))
         return outputs
+
+    def _answer_checks(self) -> list[GrammarChecked]:
+        """The verdicts on the grammars whose checks have compiled."""
+        answers: list[GrammarChecked] = []
+        for check_id, future in list(self._checking.items()):
+            if not future.done():
+                continue
+            del self._checking[check_id]
+            error = future.exception()
+            if error is not None and not isinstance(error, InvalidRequestError):
+                raise error
+            answers.append(GrammarChecked(check_id, None if error is None else str(error)))
+        return answers

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from pegainfer.core.sampling.sampling_params import SamplingParams
+from pegainfer.core.sampling.structured_output import StructuredOutput
 
 
 class EngineRequest(msgspec.Struct, kw_only=True, tag=True):
@@ -27,11 +28,22 @@ class AbortRequest(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class CheckGrammar(msgspec.Struct, tag=True):
+    """Compile a grammar against the tokenizer for requests ending in `eos_token_ids`, off the
+    step loop, and answer whether it is usable (`GrammarChecked`); the compiled grammar is
+    kept for the requests that follow. The server asks before it answers a request with one,
+    so a bad grammar is a 400 and the grammar compiles once, in the engine's process."""
+
+    check_id: str
+    structured: StructuredOutput
+    eos_token_ids: list[int]
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Stop the engine loop after the current step."""
 
 
-Inbound = EngineRequest | AbortRequest | Shutdown
+Inbound = EngineRequest | AbortRequest | CheckGrammar | Shutdown
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -119,10 +131,19 @@ class EngineStats(msgspec.Struct):
     spec_decode: SpecDecodeStats | None = None  # with --speculative-tokens
 
 
+class GrammarChecked(msgspec.Struct, array_like=True):
+    """The answer to a `CheckGrammar`: `error` says why the grammar cannot be used (None: it
+    compiled)."""
+
+    check_id: str
+    error: str | None = None
+
+
 class EngineOutputs(msgspec.Struct):
     """Everything one engine step (or one batch of inbound messages) produced."""
 
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
+    grammar_checks: list[GrammarChecked] = msgspec.field(default_factory=list)
     # Set on the last message of a loop that failed: every request in flight has ended.
     engine_failed: str | None = None

@@ -11,16 +11,15 @@ scheduling. With speculative decoding a request's verify rows are masked by its 
 states after each of its drafts, and the matcher then consumes the accepted tokens, one by one
 as they are committed.
 
-Where grammars compile: llguidance (unlike xgrammar) imports no torch, and neither does this
-module, so the HTTP server compiles each request's grammar in its own process, on its frontend
-threads, before the request is sent: a grammar that fails against the tokenizer, or on its
-first mask, is a 400 before a stream's status line, and the HTTP process stays torch-free.
-The engine process compiles it again on its loop's grammar threads (a matcher cannot cross
-the pipe), never on the step loop's thread; llguidance compiles in native code outside the
-GIL, so neither process's loop waits on it. The price is memory: each process builds
-llguidance's view of the tokenizer on its first grammar (~120 MiB for Qwen3's vocabulary, per
-set of EOS tokens), where compiling only in the engine would need the server to wait for the
-engine's verdict before answering.
+Where grammars compile: in the engine's process only, on its loop's grammar threads, never on
+the step loop's thread (llguidance compiles in native code outside the GIL). The HTTP server
+asks the engine for a verdict before it answers a request with a grammar
+(`messages.CheckGrammar`), so a grammar that fails against the tokenizer, or on its first mask,
+is a 400 before a stream's status line; the engine keeps the compiled grammar for the request
+that follows, so each grammar compiles once. The server itself only converts and validates
+grammars without the tokenizer (`StructuredOutput.grammar`, `validate`): llguidance imports no
+torch (xgrammar does), and compiling in the server too would cost it llguidance's view of the
+tokenizer, ~120 MiB for Qwen3's vocabulary per set of EOS tokens.
 """
 
 from __future__ import annotations
