@@ -1,7 +1,7 @@
 """The server's HTTP process stays small, at rest and under load (issue 21): it never imports
 torch, transformers, Triton or FlashInfer (only the engine process runs the model), whatever
 the requests ask for: streams, chat templates, tool calls, grammars, logprobs, tokenizing,
-metrics. With torch it held ~480 MiB of the tiny server's tree; without, ~60 MiB."""
+metrics. With torch it held ~250 MiB here (~480-610 MiB with CUDA's); without, ~50-60 MiB."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pegainfer.core.process_info import rss_bytes
 from tests.server.conftest import Server, start_server, stop_server
 from tests.server.import_guard import HEAVY, REPORT
 
-# torch alone adds ~250 MiB of libraries to a process; the HTTP process holds ~60-90 MiB
-# (Python, starlette and hypercorn, the tokenizer, llguidance's tokenizer once a grammar came).
+# torch alone adds ~210 MiB (the CPU wheel) to a process; the HTTP process holds ~50-60 MiB
+# here (Python, starlette and hypercorn, the tokenizer; grammars compile in the engine).
 _HTTP_RSS_BOUND = 200 << 20
 
 _TOOLS = [
