@@ -122,6 +122,8 @@ class DecodeGraphs:
         """Capture the largest bucket not captured yet (an idle engine's work)."""
         self._capture(self.pending[0])
         torch.cuda.synchronize()
+        if not self.pending:
+            logger.info("captured every decode CUDA graph (%d batch sizes)", len(self.buckets))
 
     def capture_missing(self, batch: ForwardBatch) -> None:
         """Capture the bucket of a decode step of `batch`'s size, if it is still missing."""
