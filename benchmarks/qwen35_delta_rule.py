@@ -4,10 +4,19 @@
 
 For each case (one prompt of 1k or 4k tokens; 16 or 64 decodes beside a 1k-token prompt, as
 one DeltaNet layer of a mixed step runs them, planned by the model's own `DeltaNetStep`): the
-median time of the layer's conv, its chunked delta rule and its recurrent one, each kernel's
-time at the default launch parameters (torch.profiler), and the chunked rule over a sweep of
-its launch parameters (`kernels.ChunkLaunch`; with --sweep, each in a process of its own, so a
-launch that faults is recorded as such and the others still run).
+median time of the layer's conv, its chunked delta rule and its fused decode kernel, each
+kernel's time at the default launch parameters (torch.profiler), and the chunked rule over a
+sweep of its launch parameters (`kernels.ChunkLaunch`; with --sweep, each in a process of its
+own, so a launch that faults is recorded as such and the others still run).
+
+For each decode case (1, 16 or 64 one-token sequences, a decode step's DeltaNet layer), timed as
+decode steps run it, in a CUDA graph (`graph_time`: the kernel captured 50 times, the replay's
+time divided by 50, so the host's launch cost is out and the gaps between kernels are in): the
+fused decode kernel at 4, 8 (its default) and 16 warps, beside the conv and the gated norm
+kernels over the same rows (the two of the three kernels the fused one replaced that still run,
+for chunked sequences; the third, the recurrent rule alone, is gone), and the fused kernel's
+byte limit: its state, conv windows and projection rows read and written once at the copy
+bandwidth measured here.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import sys
 from collections import defaultdict
 
 import torch
-from model_step import cuda_time
+from model_step import copy_bandwidth, cuda_time
 from torch.profiler import ProfilerActivity, profile
 
 from pegainfer.core.runner.forward_batch import ForwardBatch
@@ -36,6 +45,8 @@ CASES = {
     "decode_16_beside_1k": [1] * 16 + [1024],
     "decode_64_beside_1k": [1] * 64 + [1024],
 }
+DECODE_CASES = {"decode_1": 1, "decode_16": 16, "decode_64": 64}
+DECODE_WARPS = (4, 8, 16)
 DEFAULT = kernels.ChunkLaunch()
 SWEEP = [
     DEFAULT,
@@ -64,33 +75,38 @@ def run_case(
         [[1] * n for n in lengths], starts, tables, [True] * seqs, 16, device,
         state_slots=list(range(seqs)),
     )  # fmt: skip
-    step = DeltaNetStep.of(batch)
-    assert step.chunks is not None
+    arrivals = torch.zeros(seqs, SHAPE.num_key_heads, dtype=torch.int32, device=device)
+    step = DeltaNetStep.of(batch, arrivals)
+    chunked = step.chunked
+    assert chunked is not None
     out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16, device=device)
 
     def conv() -> torch.Tensor:
         return kernels.causal_conv1d(
-            proj[:, :channels], conv_weight, conv_states, step.slots, step.bounds, step.max_len,
-            step.conv_tiles, step.conv_snapshots,
+            proj[:, :channels], conv_weight, conv_states, chunked.slots, chunked.bounds,
+            chunked.max_len, chunked.conv_tiles, chunked.conv_snapshots,
         )  # fmt: skip
 
     qkv = conv()
 
     def chunked() -> None:
         kernels.chunked_gated_delta_rule(
-            qkv, proj, a_log, dt_bias, states, step.chunks, SHAPE, out, launch
+            qkv, proj, a_log, dt_bias, states, chunked.plan, SHAPE, out, launch
         )
 
     result: dict = {"lengths": f"{lengths.count(1)} decodes + {[n for n in lengths if n > 1]}"}
     result["conv_ms"] = 1e3 * cuda_time(conv)
     result["chunked_ms"] = 1e3 * cuda_time(chunked)
-    if step.recurrent_slots is not None:
-        rows, slots = step.recurrent_rows, step.recurrent_slots
-        result["recurrent_ms"] = 1e3 * cuda_time(
-            lambda: kernels.recurrent_gated_delta_rule(
-                qkv, proj, a_log, dt_bias, states, slots, SHAPE, rows, out
-            )
-        )
+    if step.decode_slots is not None:
+        norm = torch.ones(dim, dtype=torch.bfloat16, device=device)
+
+        def decode() -> None:
+            kernels.decode_gated_delta_net(
+                proj, conv_weight, conv_states, a_log, dt_bias, norm, 1e-6, states,
+                step.decode_slots, step.arrivals, SHAPE, out, step.decode_rows,
+            )  # fmt: skip
+
+        result["decode_ms"] = 1e3 * cuda_time(decode)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             conv()
@@ -101,6 +117,65 @@ def run_case(
         if event.device_time_total > 0 and event.key.startswith("_"):
             per_kernel[event.key] += event.device_time_total / 5 / 1e3
     result["kernel_ms"] = dict(sorted(per_kernel.items()))
+    return result
+
+
+def graph_time(fn, reps: int = 50) -> float:
+    """Median seconds per call of `fn` replayed in a CUDA graph of `reps` calls."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # a warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return cuda_time(graph.replay) / reps
+
+
+def run_decode_case(seqs: int, device: torch.device, bandwidth: float) -> dict:
+    """One DeltaNet layer's decode of `seqs` one-token sequences (1k-token histories)."""
+    g = torch.Generator(device).manual_seed(seqs)
+    heads, dim, channels = SHAPE.num_value_heads, SHAPE.value_dim, SHAPE.conv_channels
+    width = channels + heads * dim + 2 * heads
+    proj = torch.randn(seqs, width, device=device, generator=g).bfloat16()
+    conv_weight = (0.5 * torch.randn(channels, 1, 4, device=device, generator=g)).bfloat16()
+    a_log = torch.rand(heads, device=device, generator=g).log().bfloat16()
+    dt_bias = torch.randn(heads, device=device, generator=g).bfloat16()
+    norm = torch.ones(dim, dtype=torch.bfloat16, device=device)
+    conv_states = torch.zeros(seqs + 1, channels, 3, device=device)
+    states = 0.1 * torch.randn(seqs + 1, heads, SHAPE.key_dim, dim, device=device, generator=g)
+    slots = torch.arange(1, seqs + 1, dtype=torch.int32, device=device)
+    arrivals = torch.zeros(seqs, SHAPE.num_key_heads, dtype=torch.int32, device=device)
+    out = torch.empty(seqs, heads, dim, dtype=torch.bfloat16, device=device)
+    z = proj[:, channels : channels + heads * dim].view(seqs, heads, dim)
+    one_row = list(range(seqs + 1))  # each sequence a one-row conv tile and norm chunk
+    bounds = torch.tensor(one_row, dtype=torch.int32, device=device)
+    tiles = (bounds[:-1], bounds[:-1])
+    chunk_lists = kernels.ChunkPlan.host_lists([(i, i + 1, None) for i in range(seqs)])
+    plan = kernels.ChunkPlan(slots, *(torch.tensor(x, dtype=torch.int32, device=device)
+                                      for x in chunk_lists))  # fmt: skip
+    result: dict = {"sequences": seqs}
+    for warps in DECODE_WARPS:
+
+        def fused(warps: int = warps) -> None:
+            kernels.decode_gated_delta_net(
+                proj, conv_weight, conv_states, a_log, dt_bias, norm, 1e-6, states, slots,
+                arrivals, SHAPE, out, num_warps=warps,
+            )  # fmt: skip
+
+        result[f"fused_{warps}_warps_us"] = 1e6 * graph_time(fused)
+    result["conv_us"] = 1e6 * graph_time(
+        lambda: kernels.causal_conv1d(
+            proj[:, :channels], conv_weight, conv_states, slots, bounds, 1, tiles
+        )
+    )
+    result["norm_us"] = 1e6 * graph_time(lambda: kernels.gated_rms_norm(out, z, norm, 1e-6, plan))
+    state_bytes = 2 * seqs * states[0].numel() * 4 + 2 * seqs * channels * 3 * 4
+    io_bytes = proj.numel() * 2 + out.numel() * 2
+    result["fused_limit_us"] = 1e6 * (state_bytes + io_bytes) / bandwidth
     return result
 
 
@@ -126,7 +201,8 @@ def sweep(cases: list[str]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the results here as JSON")
-    parser.add_argument("--cases", default=",".join(CASES), help="which of " + ",".join(CASES))
+    every = ",".join([*CASES, *DECODE_CASES])
+    parser.add_argument("--cases", default=every, help="which of " + every)
     parser.add_argument("--sweep", action="store_true", help="also time every launch of SWEEP")
     parser.add_argument("--launch", default=None, help="a ChunkLaunch as JSON (used by --sweep)")
     args = parser.parse_args()
@@ -134,11 +210,17 @@ def main() -> None:
     cases = args.cases.split(",")
     launch = kernels.ChunkLaunch(**json.loads(args.launch)) if args.launch else DEFAULT
     results: dict = {"revision": git_revision(), "gpu": torch.cuda.get_device_name(device)}
+    if any(name in DECODE_CASES for name in cases):
+        results["copy_bandwidth_gbps"] = copy_bandwidth() / 1e9
     for name in cases:
-        results[name] = run_case(CASES[name], device, launch)
+        if name in DECODE_CASES:
+            bandwidth = results["copy_bandwidth_gbps"] * 1e9
+            results[name] = run_decode_case(DECODE_CASES[name], device, bandwidth)
+        else:
+            results[name] = run_case(CASES[name], device, launch)
         print(json.dumps({"case": name, **results[name]}), flush=True)
     if args.sweep:
-        results["sweep"] = sweep(cases)
+        results["sweep"] = sweep([name for name in cases if name in CASES])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
