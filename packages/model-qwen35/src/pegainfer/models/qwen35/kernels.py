@@ -785,7 +785,8 @@ def chunked_gated_delta_rule(
     """The delta rule over the plan's sequences, chunk by chunk, from and into their state
     slots; writes their rows of out [T, Hv, dv] (other rows are left alone).
 
-    qkv [T, C] and proj as `recurrent_gated_delta_rule`. Three launches, as
+    qkv [T, C] is the conv's output ([q | k | v]); proj [T, *] the layer's input projection,
+    whose last 2·Hv columns are b then a; states [slots, Hv, dk, dv] float32. Three launches, as
     flash-linear-attention splits the work: the WY factors of every chunk (independent),
     the state across each sequence's chunks (sequential), the outputs of every chunk
     (independent). The products run on bf16 tensor cores in float32 accumulation (`_mm`):
