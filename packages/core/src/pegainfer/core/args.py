@@ -20,7 +20,7 @@ LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("mtp", "self")
 DECODE_TENSOR_CORE_MODES = ("auto", "always", "never")
 #: `--decode-attention-tensor-cores auto`'s batch threshold (why: `attention.paged.DecodeKernels`).
-DECODE_TENSOR_CORES_FROM = 16
+DECODE_TENSOR_CORES_FROM = 1
 #: The most draft tokens per request and step (--speculative-tokens).
 MAX_SPECULATIVE_TOKENS = 8
 
@@ -149,8 +149,9 @@ class EngineArgs:
         "auto",
         "GQA lines on CUDA (Qwen3, Qwen3.5): which of FlashInfer's decode kernels a batch of "
         "decodes runs. always: the tensor-core kernel; never: the CUDA-core kernel (GQA groups "
-        f"of 1, 2, 3, 4 or 8 only); auto: tensor cores from {DECODE_TENSOR_CORES_FROM} sequences "
-        "on for groups of 4 and 8, the CUDA-core kernel below that and for smaller groups.",
+        f"of 1, 2, 3, 4 or 8 only); auto: tensor cores from {DECODE_TENSOR_CORES_FROM} "
+        "sequence(s) on for groups of 4 and 8, the CUDA-core kernel below that and for smaller "
+        "groups.",
     )
     async_scheduling: bool = _arg(
         True,

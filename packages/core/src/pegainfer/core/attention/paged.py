@@ -71,16 +71,14 @@ class DecodeKernels:
     """Which of FlashInfer's decode kernels a batch of `rows` decodes runs: tensor cores from
     `tensor_cores_from` rows on (1: always), the CUDA-core kernel below (None: always).
 
-    `auto`'s threshold for groups of 4 and 8 (`DECODE_TENSOR_CORES_FROM`, 16): below it a batch
-    has fewer (sequence, KV head) pairs than an H200 has SMs (16 x 8 KV heads = 128 of 132), so
-    both kernels split each sequence's KV over several CTAs and merge the parts, and attention
-    is bound by latency (12 us a layer at one sequence, issue 19's profile), not by the MMA
-    work tensor cores save: the lighter CUDA-core kernel is the candidate there. From it on
-    every pair fills a CTA and packing a KV head's query group into MMA rows pays (tensor cores
-    read the KV at 85% of the copy rate at 256 sequences). Published figures cover only larger
-    batches (tensor cores 25% faster at 57 sequences of 8k, GQA 4: FlashInfer issue 703; vLLM
-    and SGLang decode on tensor cores at every size for such groups); `benchmarks/
-    decode_kernels.py` times both kernels per batch size and prints the measured crossover.
+    `auto`'s threshold for groups of 4 and 8 (`DECODE_TENSOR_CORES_FROM`) is 1: tensor cores at
+    every batch size. Measured on one H200 at Qwen3-4B's shapes (`benchmarks/decode_kernels.py`
+    at ff97473, one layer's call under a CUDA graph), the tensor-core kernel is the faster at
+    every batch from 1 to 256 at 1k and 4k of context: 10.5 against 16.6 us at one sequence of
+    1k, 27.9 against 31.5 at 16, 294 against 368 at 256 (its KV limit 250 us). The reasoning
+    that made the CUDA-core kernel the candidate below 16 sequences (fewer (sequence, KV head)
+    pairs than SMs, so attention is bound by latency, not by MMA work) did not hold: its
+    latency is the higher one too. The threshold stays a parameter for other GPUs and groups.
     """
 
     tensor_cores_from: int | None
