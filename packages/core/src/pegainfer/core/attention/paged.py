@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ from pegainfer.core.args import DECODE_TENSOR_CORE_MODES, DECODE_TENSOR_CORES_FR
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.ops.paged_attention import paged_attention
 from pegainfer.core.runner.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from pegainfer.core.model_line import RuntimeConfig
 
 _WORKSPACE_BYTES = 256 << 20
 #: A piecewise-graph capture's hook: given a call, its per-token inputs and its other
@@ -386,3 +389,14 @@ def make_paged_attention(
             shape, dtype, device, max_pages_per_seq, graph_buckets, kernels
         )
     return TorchPagedAttention(shape)
+
+
+def runtime_paged_attention(
+    shape: GQAShape, dtype: torch.dtype, device: torch.device, runtime: RuntimeConfig
+) -> PagedAttention:
+    """`make_paged_attention` for the engine's runtime (its pages, graph buckets and decode
+    kernels)."""
+    pages, buckets = runtime.max_pages_per_seq, runtime.graph_buckets
+    return make_paged_attention(
+        shape, dtype, device, pages, buckets, runtime.decode_attention_tensor_cores
+    )

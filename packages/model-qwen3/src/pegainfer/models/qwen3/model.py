@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pegainfer.core.attention.paged import GQAShape, PagedAttention, make_paged_attention
+from pegainfer.core.attention.paged import GQAShape, PagedAttention, runtime_paged_attention
 from pegainfer.core.distributed import parallel
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
@@ -164,10 +164,7 @@ class Qwen3ForCausalLM(Model):
 
     def init_runtime(self, runtime: RuntimeConfig) -> None:
         device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
-        attn = make_paged_attention(
-            self.attention_shape, dtype, device, runtime.max_pages_per_seq, runtime.graph_buckets,
-            runtime.decode_attention_tensor_cores,
-        )  # fmt: skip
+        attn = runtime_paged_attention(self.attention_shape, dtype, device, runtime)
         self.set_up_steps(runtime, attn, device)
 
     def set_up_steps(
