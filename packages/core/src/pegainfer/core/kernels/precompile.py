@@ -169,9 +169,9 @@ class AttentionBackend(Protocol):
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """What a line's served steps compile: a function recording its Triton launches (it builds
-    a meta model: a second or two, so it runs in the background too) and a factory of its
-    attention backend (None: nothing of that kind to compile)."""
+    """What a line's served steps compile: a function recording its Triton launches (a meta
+    forward per step: a second, several for a MoE line, so it runs in the background too) and
+    a factory of its attention backend (None: nothing of that kind to compile)."""
 
     launches: Callable[[], tuple[KernelLaunch, ...]] | None = None
     attention: Callable[[], AttentionBackend] | None = None
