@@ -4,19 +4,18 @@
 
 For each case (one prompt of 1k or 4k tokens; 16 or 64 decodes beside a 1k-token prompt, as
 one DeltaNet layer of a mixed step runs them, planned by the model's own `DeltaNetStep`): the
-median time of the layer's conv, its chunked delta rule and its fused decode kernel, each
-kernel's time at the default launch parameters (torch.profiler), and the chunked rule over a
-sweep of its launch parameters (`kernels.ChunkLaunch`; with --sweep, each in a process of its
-own, so a launch that faults is recorded as such and the others still run).
+median time of the layer's conv, its chunked delta rule and its recurrent one, each kernel's
+time at the default launch parameters (torch.profiler), and the chunked rule over a sweep of
+its launch parameters (`kernels.ChunkLaunch`; with --sweep, each in a process of its own, so a
+launch that faults is recorded as such and the others still run).
 
-For each decode case (1, 16 or 64 one-token sequences, a decode step's DeltaNet layer), timed as
-decode steps run it, in a CUDA graph (`graph_time`: the kernel captured 50 times, the replay's
-time divided by 50, so the host's launch cost is out and the gaps between kernels are in): the
-fused decode kernel at 4, 8 (its default) and 16 warps, beside the conv and the gated norm
-kernels over the same rows (the two of the three kernels the fused one replaced that still run,
-for chunked sequences; the third, the recurrent rule alone, is gone), and the fused kernel's
-byte limit: its state, conv windows and projection rows read and written once at the copy
-bandwidth measured here.
+For each decode case (1, 16 or 64 one-token sequences: a decode step's DeltaNet layer), timed
+as decode steps run it, in a CUDA graph (`graph_time`: the kernels captured 50 times, the
+replay's time divided by 50, so the host's launch cost is out and the gaps between kernels are
+in): the three kernels of the default path (conv, recurrent rule, gated norm) against the fused
+decode kernel (`kernels.decode_gated_delta_net`, opt-in) at 2, 4 (its default) and 8 warps,
+beside its byte limit (its states, conv windows, projection rows and outputs read or written
+once, at the copy bandwidth measured here).
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ CASES = {
     "decode_64_beside_1k": [1] * 64 + [1024],
 }
 DECODE_CASES = {"decode_1": 1, "decode_16": 16, "decode_64": 64}
-DECODE_WARPS = (4, 8, 16)
+DECODE_WARPS = (2, 4, 8)
 DEFAULT = kernels.ChunkLaunch()
 SWEEP = [
     DEFAULT,
@@ -75,38 +74,33 @@ def run_case(
         [[1] * n for n in lengths], starts, tables, [True] * seqs, 16, device,
         state_slots=list(range(seqs)),
     )  # fmt: skip
-    arrivals = torch.zeros(seqs, SHAPE.num_key_heads, dtype=torch.int32, device=device)
-    step = DeltaNetStep.of(batch, arrivals)
-    chunked = step.chunked
-    assert chunked is not None
+    step = DeltaNetStep.of(batch)
+    assert step.chunks is not None
     out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16, device=device)
 
     def conv() -> torch.Tensor:
         return kernels.causal_conv1d(
-            proj[:, :channels], conv_weight, conv_states, chunked.slots, chunked.bounds,
-            chunked.max_len, chunked.conv_tiles, chunked.conv_snapshots,
+            proj[:, :channels], conv_weight, conv_states, step.slots, step.bounds, step.max_len,
+            step.conv_tiles, step.conv_snapshots,
         )  # fmt: skip
 
     qkv = conv()
 
     def chunked() -> None:
         kernels.chunked_gated_delta_rule(
-            qkv, proj, a_log, dt_bias, states, chunked.plan, SHAPE, out, launch
+            qkv, proj, a_log, dt_bias, states, step.chunks, SHAPE, out, launch
         )
 
     result: dict = {"lengths": f"{lengths.count(1)} decodes + {[n for n in lengths if n > 1]}"}
     result["conv_ms"] = 1e3 * cuda_time(conv)
     result["chunked_ms"] = 1e3 * cuda_time(chunked)
-    if step.decode_slots is not None:
-        norm = torch.ones(dim, dtype=torch.bfloat16, device=device)
-
-        def decode() -> None:
-            kernels.decode_gated_delta_net(
-                proj, conv_weight, conv_states, a_log, dt_bias, norm, 1e-6, states,
-                step.decode_slots, step.arrivals, SHAPE, out, step.decode_rows,
-            )  # fmt: skip
-
-        result["decode_ms"] = 1e3 * cuda_time(decode)
+    if step.recurrent_slots is not None:
+        rows, slots = step.recurrent_rows, step.recurrent_slots
+        result["recurrent_ms"] = 1e3 * cuda_time(
+            lambda: kernels.recurrent_gated_delta_rule(
+                qkv, proj, a_log, dt_bias, states, slots, SHAPE, rows, out
+            )
+        )
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             conv()
@@ -122,11 +116,10 @@ def run_case(
 
 def graph_time(fn, reps: int = 50) -> float:
     """Median seconds per call of `fn` replayed in a CUDA graph of `reps` calls."""
-    fn()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # a warm-up on the capture stream
+        fn()  # compiles and warms up, on the capture stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -136,7 +129,7 @@ def graph_time(fn, reps: int = 50) -> float:
 
 
 def run_decode_case(seqs: int, device: torch.device, bandwidth: float) -> dict:
-    """One DeltaNet layer's decode of `seqs` one-token sequences (1k-token histories)."""
+    """One DeltaNet layer's decode of `seqs` one-token sequences."""
     g = torch.Generator(device).manual_seed(seqs)
     heads, dim, channels = SHAPE.num_value_heads, SHAPE.value_dim, SHAPE.conv_channels
     width = channels + heads * dim + 2 * heads
@@ -148,34 +141,27 @@ def run_decode_case(seqs: int, device: torch.device, bandwidth: float) -> dict:
     conv_states = torch.zeros(seqs + 1, channels, 3, device=device)
     states = 0.1 * torch.randn(seqs + 1, heads, SHAPE.key_dim, dim, device=device, generator=g)
     slots = torch.arange(1, seqs + 1, dtype=torch.int32, device=device)
+    bounds = torch.arange(seqs + 1, dtype=torch.int32, device=device)
     arrivals = torch.zeros(seqs, SHAPE.num_key_heads, dtype=torch.int32, device=device)
-    out = torch.empty(seqs, heads, dim, dtype=torch.bfloat16, device=device)
     z = proj[:, channels : channels + heads * dim].view(seqs, heads, dim)
-    one_row = list(range(seqs + 1))  # each sequence a one-row conv tile and norm chunk
-    bounds = torch.tensor(one_row, dtype=torch.int32, device=device)
-    tiles = (bounds[:-1], bounds[:-1])
-    chunk_lists = kernels.ChunkPlan.host_lists([(i, i + 1, None) for i in range(seqs)])
-    plan = kernels.ChunkPlan(slots, *(torch.tensor(x, dtype=torch.int32, device=device)
-                                      for x in chunk_lists))  # fmt: skip
-    result: dict = {"sequences": seqs}
+
+    def three_kernels() -> None:
+        qkv = kernels.causal_conv1d(proj[:, :channels], conv_weight, conv_states, slots, bounds, 1)
+        out = kernels.recurrent_gated_delta_rule(qkv, proj, a_log, dt_bias, states, slots, SHAPE)
+        kernels.gated_rms_norm(out, z, norm, 1e-6)
+
+    result: dict = {"sequences": seqs, "three_kernels_us": 1e6 * graph_time(three_kernels)}
     for warps in DECODE_WARPS:
 
         def fused(warps: int = warps) -> None:
             kernels.decode_gated_delta_net(
                 proj, conv_weight, conv_states, a_log, dt_bias, norm, 1e-6, states, slots,
-                arrivals, SHAPE, out, num_warps=warps,
+                arrivals, SHAPE, num_warps=warps,
             )  # fmt: skip
 
         result[f"fused_{warps}_warps_us"] = 1e6 * graph_time(fused)
-    result["conv_us"] = 1e6 * graph_time(
-        lambda: kernels.causal_conv1d(
-            proj[:, :channels], conv_weight, conv_states, slots, bounds, 1, tiles
-        )
-    )
-    result["norm_us"] = 1e6 * graph_time(lambda: kernels.gated_rms_norm(out, z, norm, 1e-6, plan))
-    state_bytes = 2 * seqs * states[0].numel() * 4 + 2 * seqs * channels * 3 * 4
-    io_bytes = proj.numel() * 2 + out.numel() * 2
-    result["fused_limit_us"] = 1e6 * (state_bytes + io_bytes) / bandwidth
+    state_bytes = 2 * seqs * (states[0].numel() + channels * 3) * 4
+    result["fused_limit_us"] = 1e6 * (state_bytes + 2 * proj.numel() + 2 * z.numel()) / bandwidth
     return result
 
 

@@ -132,10 +132,25 @@ def small(tmp_path_factory):
     return path, gpu_engine(path), hf_model(path, torch.bfloat16)
 
 
-def test_graph_replay_equals_eager_for_the_same_batch(small):
+@pytest.fixture(scope="module")
+def small_fused(small):
+    """The same checkpoint in an engine whose decode steps run the fused DeltaNet kernel."""
+    from pegainfer.models.qwen35.model import FUSED_DECODE_ENV
+
+    path, _, hf = small
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FUSED_DECODE_ENV, "1")
+        engine = gpu_engine(path)
+    assert engine.model._arrivals is not None
+    return path, engine, hf
+
+
+@pytest.mark.parametrize("engine_fixture", ["small", "small_fused"])
+def test_graph_replay_equals_eager_for_the_same_batch(engine_fixture, request):
     """A replay (states in their slots, padding rows in the dummy slot) computes exactly what
-    the same kernels compute eagerly; both leave the same states behind."""
-    _, engine, _ = small
+    the same kernels compute eagerly; both leave the same states behind (the decode step's
+    DeltaNet in three kernels, or fused in one)."""
+    _, engine, _ = request.getfixturevalue(engine_fixture)
     forcer, bs, cuda = TeacherForcer(engine), engine.config.block_size, torch.device("cuda")
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 1, 33)]
     tables = [engine.block_manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
@@ -168,8 +183,9 @@ def long_case(vocab: int, prompt: int, decode: int, seed: int) -> Case:
     return Case(tokens[:prompt], tokens[prompt:])
 
 
-def test_small_golden_gate(small):
-    path, engine, hf = small
+@pytest.mark.parametrize("engine_fixture", ["small", "small_fused"])
+def test_small_golden_gate(engine_fixture, request):
+    path, engine, hf = request.getfixturevalue(engine_fixture)
     cases = make_cases(9, vocab=1000, max_prompt=200, decode=8, seed=0)
     long = long_case(1000, 1500, 8, seed=5)
     hf32 = hf_model(path, torch.float32)

@@ -15,7 +15,6 @@ from pegainfer.models.qwen35 import ops
 from tests.qwen35.deltanet_cases import (
     decode_errors,
     delta_rule_inputs,
-    norm_errors,
     reference_delta_rule,
     rel_err,
 )
@@ -35,7 +34,7 @@ def int32(values: list[int], device: str) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("lengths", "channels", "snapshots"),
     [
-        ([1, 1, 1], 8192, None),  # one-row tiles
+        ([1, 1, 1], 8192, None),  # a decode step: one program per sequence, no tiles
         ([5, 1, 40], 384, None),
         ([2, 70, 33], 320, [(1, 5), -1, (33, 4)]),  # checkpoints inside and at the end
         ([100], 8192, [(64, 3)]),
@@ -56,7 +55,7 @@ def test_causal_conv1d(dtype, lengths, channels, snapshots, device="cuda"):
         offsets = [-1 if s == -1 else s[0] for s in snapshots]
         snap_slots = [0 if s == -1 else s[1] for s in snapshots]
         snap_args = (int32(offsets, device), int32(snap_slots, device))
-    tiles = tuple(int32(t, device) for t in conv_tiles(bounds, list(range(len(lengths)))))
+    tiles = None if max(lengths) == 1 else tuple(int32(t, device) for t in conv_tiles(bounds))
     expected = states.clone()
     out = causal_conv1d(
         x, weight, states, int32(slots, device), int32(bounds, device), max(lengths), tiles,
@@ -76,21 +75,44 @@ def test_causal_conv1d(dtype, lengths, channels, snapshots, device="cuda"):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
+    ("seqs", "key_heads", "value_heads", "dim"), [(4, 16, 32, 128), (3, 2, 4, 64)]
+)
+def test_recurrent_gated_delta_rule(dtype, seqs, key_heads, value_heads, dim, device="cuda"):
+    from pegainfer.models.qwen35.kernels import DeltaNetShape, recurrent_gated_delta_rule
+
+    proj, qkv, a_log, dt_bias, states = delta_rule_inputs(
+        seqs, key_heads, value_heads, dim, dtype, device, seed=dim + seqs
+    )
+    slots = list(range(seqs))[::-1]
+    expected = states.clone()
+    shape = DeltaNetShape(key_heads, value_heads, dim, dim)
+    out = recurrent_gated_delta_rule(
+        qkv, proj, a_log, dt_bias, states, torch.tensor(slots, device=device), shape
+    )
+    for i, slot in enumerate(slots):
+        rows = slice(i, i + 1)
+        ref, expected[slot] = reference_delta_rule(
+            proj[rows], qkv[rows], a_log, dt_bias, expected[slot], key_heads, recurrent=True
+        )
+        assert rel_err(out[rows], ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(states, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
     ("key_heads", "value_heads", "dim"),
-    [(16, 32, 128), (2, 4, 64), (4, 4, 64)],  # Qwen3.5-4B's heads; smaller; one per key head
+    [(16, 32, 128), (2, 4, 64), (4, 4, 64), (1, 3, 32)],  # 4B's heads; smaller; groups of 1, 3
 )
 @pytest.mark.parametrize("seqs", [1, 3, 16, 64])
-@pytest.mark.parametrize("remap", [False, True])
-def test_decode_gated_delta_net(dtype, key_heads, value_heads, dim, seqs, remap):
+def test_decode_gated_delta_net(dtype, key_heads, value_heads, dim, seqs):
     """The fused decode kernel (conv, delta rule, gated norm) over two steps against the
     reference ops one sequence at a time: outputs, conv windows (the q/k windows its value
-    heads share included) and states; nothing written outside its rows; the arrival counters
-    left at zero."""
-    errors = decode_errors(seqs, key_heads, value_heads, dim, dtype, "cuda", remap)
+    heads share included) and states; the arrival counters left at zero."""
+    errors = decode_errors(seqs, key_heads, value_heads, dim, dtype, "cuda")
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     assert errors["out"] < tol, errors
     assert errors["conv"] < 1e-6 and errors["state"] < 1e-5, errors
-    assert errors["untouched"] == 0 and errors["arrivals"] == 0, errors
+    assert errors["arrivals"] == 0, errors
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -144,13 +166,19 @@ def test_chunked_gated_delta_rule(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("lengths", "heads", "dim"), [([1], 32, 128), ([37], 4, 64), ([3, 1, 130, 1], 32, 128)]
-)
-def test_gated_rms_norm(dtype, lengths, heads, dim):
-    """In place on the chunked sequences' rows only (`norm_errors`)."""
-    errors = norm_errors(lengths, heads, dim, dtype, "cuda")
-    assert errors["out"] < (1e-6 if dtype == torch.float32 else 8e-3) and errors["changed"] == 0
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 32, 128), (37, 4, 64)])
+def test_gated_rms_norm(dtype, tokens, heads, dim, device="cuda"):
+    from pegainfer.models.qwen35.kernels import gated_rms_norm
+
+    g = torch.Generator(device).manual_seed(tokens)
+    x = torch.randn(tokens, heads, dim, device=device, generator=g).to(dtype)
+    proj = torch.randn(tokens, 3 * heads * dim + 5, device=device, generator=g).to(dtype)
+    z = proj[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)
+    weight = (1 + 0.1 * torch.randn(dim, device=device, generator=g)).to(dtype)
+    ref = ops.gated_rms_norm(x, z, weight, 1e-6)
+    assert rel_err(gated_rms_norm(x, z, weight, 1e-6), ref) < (
+        1e-6 if dtype == torch.float32 else 8e-3
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -193,33 +221,21 @@ def test_gated_attention_input_and_output_kernels(dtype, tokens, heads, kv_heads
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_delta_net_layer_over_a_mixed_step(dtype):
-    """One DeltaNet layer over a mixed step, kernels against the reference path: the decodes
-    in the fused decode kernel, the rest chunked (`layer_mixed_step_errors`)."""
-    errors = layer_mixed_step_errors(dtype, "cuda", dim=64, hidden=256)
-    assert errors["decode_slots"] == [3, 5, 4] and errors["chunk_slots"] == [0, 1, 2]
-    tol = 2e-5 if dtype == torch.float32 else 1e-2
-    assert errors["out"] < tol and errors["state"] < tol and errors["conv"] < 1e-6, errors
-    assert errors["arrivals"] == 0
-
-
-def layer_mixed_step_errors(dtype: torch.dtype, device: str, dim: int, hidden: int) -> dict:
-    """One DeltaNet layer (2 key heads, 4 value heads of `dim`) over a mixed step through the
-    kernels (the decodes through the fused decode kernel, the rest chunked) against the
-    reference path, which runs it one sequence at a time: three decodes beside a fresh
-    prompt, a continued chunk checkpointed inside, and a one-token chunk checkpointed at its
-    end. The relative errors of the outputs and of every slot's conv and recurrent state,
-    checkpoints included, and where the step sent the decodes and the chunks."""
+def test_delta_net_layer_over_a_mixed_step(dtype, device="cuda"):
+    """One DeltaNet layer over a mixed step through the kernels (the decodes through the
+    recurrent kernel, the rest chunked) against the reference path, which runs it one
+    sequence at a time: three decodes beside a fresh prompt, a continued chunk checkpointed
+    inside, and a one-token chunk checkpointed at its end; the outputs and every slot's conv
+    and recurrent state, checkpoints included."""
     from pegainfer.core.distributed.parallel import ParallelGroup
     from pegainfer.core.runner.forward_batch import ForwardBatch
     from pegainfer.models.qwen35.config import Qwen35Config
     from pegainfer.models.qwen35.model import DeltaNetStep, GatedDeltaNet, Qwen35ForCausalLM
 
     cfg = Qwen35Config.from_dict({
-        "vocab_size": 64, "hidden_size": hidden, "intermediate_size": 64,
-        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": dim,
-        "linear_value_head_dim": dim,
+        "vocab_size": 64, "hidden_size": 256, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
     })  # fmt: skip
     g = torch.Generator(device).manual_seed(7)
     with torch.device(device):
@@ -242,20 +258,17 @@ def layer_mixed_step_errors(dtype: torch.dtype, device: str, dim: int, hidden: i
         torch.device(device), state_slots=[3, 0, 5, 1, 2, 4], state_snapshot=snapshots,
     )  # fmt: skip
     conv = torch.randn(1, 8, cfg.conv_channels, 3, device=device, generator=g).to(dtype).float()
-    recurrent = 0.1 * torch.randn(1, 8, 4, dim, dim, device=device, generator=g)
+    recurrent = 0.1 * torch.randn(1, 8, 4, 64, 64, device=device, generator=g)
     Qwen35ForCausalLM._start_states(batch, conv, recurrent)
     x = torch.randn(sum(lengths), cfg.hidden_size, device=device, generator=g).to(dtype)
     conv_ref, recurrent_ref = conv.clone(), recurrent.clone()
-    arrivals = torch.zeros(len(lengths), 2, dtype=torch.int32, device=device)
-    step = DeltaNetStep.of(batch, arrivals)
+    step = DeltaNetStep.of(batch)
+    assert step.recurrent_slots is not None and step.recurrent_slots.tolist() == [3, 5, 4]
+    assert step.chunks is not None and step.chunks.slots.tolist() == [0, 1, 2]
     with torch.inference_mode():
         ours = layer(x, batch, conv[0], recurrent[0], step)
         ref = layer(x, batch, conv_ref[0], recurrent_ref[0], None)
-    return {
-        "out": rel_err(ours, ref),
-        "conv": rel_err(conv, conv_ref),
-        "state": rel_err(recurrent, recurrent_ref),
-        "decode_slots": step.decode_slots.tolist(),
-        "chunk_slots": step.chunked.plan.slots.tolist(),
-        "arrivals": arrivals.count_nonzero().item(),
-    }
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(ours, ref) < tol
+    assert rel_err(conv, conv_ref) < 1e-6
+    assert rel_err(recurrent, recurrent_ref) < tol

@@ -127,45 +127,55 @@ def test_conv_tiles_cut_each_sequence():
     from pegainfer.models.qwen35.kernels import CONV_TILE, conv_tiles
 
     assert CONV_TILE == 32
-    bounds = [0, 1, 71, 72, 104]
-    assert conv_tiles(bounds, [0, 1, 2, 3]) == ([0, 1, 1, 1, 2, 3], [0, 1, 33, 65, 71, 72])
-    assert conv_tiles(bounds, [1, 3]) == ([1, 1, 1, 3], [1, 33, 65, 72])  # decodes left out
+    assert conv_tiles([0, 1, 71, 72, 104]) == ([0, 1, 1, 1, 2, 3], [0, 1, 33, 65, 71, 72])
 
 
-def test_mixed_step_plan_sends_decodes_to_the_decode_kernel():
-    """A mixed step's one-token sequences go to the fused decode kernel by row and slot; only
-    the longer chunks (and a one-token chunk checkpointed at its end) are planned in chunks
-    and tiled for the conv; the plan is built on the host and copied once, with no device
-    round trip."""
+def test_mixed_step_plan_sends_decodes_to_the_recurrent_kernel():
+    """A mixed step's one-token sequences go to the recurrent kernel by row and slot; only
+    the longer chunks (and a one-token chunk checkpointed at its end) are planned in chunks;
+    the plan is built on the host and copied once, with no device round trip."""
     from pegainfer.core.runner.forward_batch import ForwardBatch
     from pegainfer.models.qwen35.model import DeltaNetStep
 
-    arrivals = torch.zeros(8, 2, dtype=torch.int32)
     lengths, starts = [1, 90, 1, 1, 1], [10, 0, 33, 5, 60]
     batch = ForwardBatch.build(
         [[1] * n for n in lengths], starts, [list(range(8))] * 5, [True] * 5, 16,
         torch.device("cpu"), state_slots=[3, 0, 5, 2, 4],
         state_snapshot=[None, (64, 7), (0, 6), (1, 1), None],
     )  # fmt: skip
-    step = DeltaNetStep.of(batch, arrivals)
-    chunked = step.chunked
-    assert chunked.bounds.tolist() == [0, 1, 91, 92, 93, 94] and chunked.max_len == 90
+    arrivals = torch.zeros(8, 2, dtype=torch.int32)  # the fused decode kernel's, when on
+    step = DeltaNetStep.of(batch, None, arrivals)
+    assert step.arrivals is None  # a mixed step's decodes stay in the recurrent kernel
+    assert step.bounds.tolist() == [0, 1, 91, 92, 93, 94] and step.max_len == 90
     # The decode checkpointed at offset 0 is checkpointed before the step: still a decode.
-    assert step.decode_rows.tolist() == [0, 91, 93]
-    assert step.decode_slots.tolist() == [3, 5, 4]
-    assert step.arrivals is arrivals
-    chunks = chunked.plan
+    assert step.recurrent_rows.tolist() == [0, 91, 93]
+    assert step.recurrent_slots.tolist() == [3, 5, 4]
+    chunks = step.chunks
     assert chunks.slots.tolist() == [0, 2] and chunks.seq_chunks.tolist() == [0, 2, 3]
     assert chunks.start.tolist() == [1, 65, 92] and chunks.end.tolist() == [65, 91, 93]
     assert chunks.snapshot.tolist() == [7, -1, 1]
-    assert [t.tolist() for t in chunked.conv_tiles] == [[1, 1, 1, 3], [1, 33, 65, 92]]
-    offsets, snap_slots = chunked.conv_snapshots
+    assert [t.tolist() for t in step.conv_tiles] == [[0, 1, 1, 1, 2, 3, 4],
+                                                      [0, 1, 33, 65, 91, 92, 93]]  # fmt: skip
+    offsets, snap_slots = step.conv_snapshots
     assert offsets.tolist() == [-1, 64, -1, 1, -1] and snap_slots.tolist() == [0, 7, 0, 1, 0]
-    # A decode step keeps the graph-friendly form: row i is sequence i, the batch's own slots,
-    # nothing for the conv or the chunk kernels.
+    # A decode step keeps the graph-friendly form: row i is sequence i, no tiles.
     decode = ForwardBatch.build(
         [[1], [2]], [4, 9], [[0], [1]], [True, True], 16, torch.device("cpu"), state_slots=[1, 0]
     )
-    step = DeltaNetStep.of(decode, arrivals)
-    assert step.decode_rows is None and step.decode_slots is decode.state_slots
-    assert step.chunked is None
+    step = DeltaNetStep.of(decode)
+    assert step.recurrent_rows is None and step.recurrent_slots.tolist() == [1, 0]
+    assert step.chunks is None and step.conv_tiles is None and step.arrivals is None
+    assert DeltaNetStep.of(decode, None, arrivals).arrivals is arrivals  # fused: opt-in
+
+
+def test_the_fused_decode_kernel_is_opt_in(monkeypatch):
+    from pegainfer.core.errors import ConfigError
+    from pegainfer.models.qwen35.model import FUSED_DECODE_ENV, fused_decode
+
+    monkeypatch.delenv(FUSED_DECODE_ENV, raising=False)
+    assert not fused_decode()
+    monkeypatch.setenv(FUSED_DECODE_ENV, "1")
+    assert fused_decode()
+    monkeypatch.setenv(FUSED_DECODE_ENV, "yes")
+    with pytest.raises(ConfigError, match="must be 0 or 1"):
+        fused_decode()

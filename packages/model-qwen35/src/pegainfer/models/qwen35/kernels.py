@@ -1,19 +1,18 @@
 """Triton kernels for the Gated DeltaNet layers, over a whole step at once.
 
-References (torch, one sequence at a time): `ops.causal_conv1d`,
-`ops.recurrent_gated_delta_rule`, `ops.chunked_gated_delta_rule` and `ops.gated_rms_norm`. Every
-kernel reads the layer's fused input projection as it comes out of the GEMM (`[qkv | z | b | a]`
-per token, see `GatedDeltaNet`) and each sequence's state in place in its slot of the layer's
-state arena.
+References (torch, one sequence at a time): `ops.causal_conv1d`, `ops.recurrent_gated_delta_rule`
+and `ops.chunked_gated_delta_rule`. Every kernel reads the layer's fused input projection as it
+comes out of the GEMM (`[qkv | z | b | a]` per token, see `GatedDeltaNet`) and each sequence's
+state in place in its slot of the layer's state arena.
 
-- `decode_gated_delta_net`: one-token sequences (a decode step, captured in CUDA graphs, and
-  the decodes of a mixed step): the conv, the recurrent delta-rule step and the gated norm in
-  one launch, a program per (sequence, value head).
-- `causal_conv1d`: the chunked sequences' conv, one program per (tile of at most 32 rows of a
-  sequence, channel block), so a long prompt spreads over the GPU; a sequence's first tile also
-  moves its conv window (and leaves the window at a checkpoint).
-- `gated_rms_norm`: the DeltaNet's output norm of the chunked sequences' rows, gated by SiLU(z)
-  (reference: `ops.gated_rms_norm`).
+- `causal_conv1d`: one program per (tile of at most 32 rows of a sequence, channel block), so a
+  long prompt spreads over the GPU; a sequence's first tile also moves its conv window (and
+  leaves the window at a checkpoint).
+- `recurrent_gated_delta_rule`: one-token sequences (a decode step, captured in CUDA graphs,
+  and the decodes of a mixed step).
+- `decode_gated_delta_net` (opt-in, not yet timed on a GPU: `model.FUSED_DECODE_ENV`): a decode
+  step's conv, recurrent step and gated norm in one launch.
+- `gated_rms_norm`: the DeltaNet's output norm, gated by SiLU(z) (reference: `ops.gated_rms_norm`).
 - `chunked_gated_delta_rule`: longer chunks, by flash-linear-attention's chunk algorithm in three
   launches: per 64-token chunk and value head, the chunk's unit-triangular system is inverted by
   16-row blocks and applied to the keys and values (the WY factors `W`, `U`); one program per
@@ -102,20 +101,21 @@ def _causal_conv1d_kernel(
     stride_state_slot,
     BT: tl.constexpr,
     BC: tl.constexpr,
+    TILED: tl.constexpr,
     SNAPSHOTS: tl.constexpr,
 ):
-    """One tile of a sequence's rows (tile_seq/tile_row say whose and from which row) and a
-    block of channels. Only a sequence's first tile reads the old window (the others start
-    CONV_TILE rows in) and only it stores the new window and the checkpoint's, so no program
-    reads a window another has replaced."""
+    """One tile of a sequence's rows (TILED: tile_seq/tile_row say whose and from which row;
+    else tile i is all of sequence i) and a block of channels. Only a sequence's first tile
+    reads the old window (the others start CONV_TILE rows in) and only it stores the new
+    window and the checkpoint's, so no program reads a window another has replaced."""
     tile = tl.program_id(0)
-    seq = tl.load(tile_seq_ptr + tile)
+    seq = tl.load(tile_seq_ptr + tile) if TILED else tile
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < channels
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     start = tl.load(bounds_ptr + seq).to(tl.int64)
     n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - start
-    lo = tl.load(tile_row_ptr + tile).to(tl.int64) - start
+    lo = tl.load(tile_row_ptr + tile).to(tl.int64) - start if TILED else start - start
     first = cmask & (lo == 0)
     state = state_ptr + slot * stride_state_slot + cols * 3
     # The window at a checkpoint inside the chunk and at its end: input j of the window ending
@@ -169,19 +169,20 @@ def causal_conv1d(
     slots: torch.Tensor,
     bounds: torch.Tensor,
     max_len: int,
-    tiles: tuple[torch.Tensor, torch.Tensor],
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     snapshots: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """SiLU(causal depthwise conv) of sequences' rows of x [T, C] (sequence i owns rows
+    """SiLU(causal depthwise conv) of every sequence's rows of x [T, C] (sequence i owns rows
     bounds[i]:bounds[i+1]), continuing from states[slots[i]] [C, 3] and leaving its last three
-    inputs there. weight [C, 1, 4] (or [C, 4]); states float32. `tiles` (each tile's sequence
-    and first row, from `conv_tiles`) cut the sequences to convolve into tiles of at most
-    CONV_TILE rows; rows of sequences without tiles are left alone. `max_len` is the longest
-    of those sequences. `snapshots` (offsets, slots), per sequence: also store the window
-    after `offset` rows into that slot (offset -1: none)."""
+    inputs there. weight [C, 1, 4] (or [C, 4]); states float32. `max_len` is the longest
+    sequence's rows; beyond one, `tiles` (each tile's sequence and first row, from
+    `conv_tiles`) cuts them into tiles of at most CONV_TILE rows. `snapshots` (offsets,
+    slots), per sequence: also store the window after `offset` rows into that slot (offset
+    -1: none)."""
     assert weight.shape[-1] == 4 and states.dtype == torch.float32 and x.stride(1) == 1
+    assert tiles is not None or max_len == 1, "chunks longer than a token need conv tiles"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    tile_seq, tile_row = tiles
+    tile_seq, tile_row = tiles if tiles is not None else (slots, slots)
     snap_offset, snap_slot = snapshots if snapshots is not None else (slots, slots)
     block_c = 128 if max_len > 1 else 256
     grid = (tile_seq.shape[0], triton.cdiv(x.shape[1], block_c))
@@ -189,26 +190,106 @@ def causal_conv1d(
         x, weight.reshape(weight.shape[0], 4), states, out, slots, bounds, tile_seq, tile_row,
         snap_offset, snap_slot, x.shape[1], x.stride(0), out.stride(0), states.stride(0),
         BT=min(CONV_TILE, triton.next_power_of_2(max_len)), BC=block_c,
-        SNAPSHOTS=snapshots is not None,
+        TILED=tiles is not None, SNAPSHOTS=snapshots is not None,
     )  # fmt: skip
     return out
 
 
-def conv_tiles(bounds: list[int], seqs: list[int]) -> tuple[list[int], list[int]]:
-    """The conv's tiles over the sequences `seqs` (indices into `bounds`; sequence i owns rows
-    bounds[i]:bounds[i+1]): each tile's sequence and first row."""
-    tile_seqs, rows = [], []
-    for i in seqs:
+def conv_tiles(bounds: list[int]) -> tuple[list[int], list[int]]:
+    """The conv's tiles over sequences of rows bounds[i]:bounds[i+1]: each tile's sequence and
+    first row."""
+    seqs, rows = [], []
+    for i in range(len(bounds) - 1):
         starts = range(bounds[i], bounds[i + 1], CONV_TILE)
-        tile_seqs.extend([i] * len(starts))
+        seqs.extend([i] * len(starts))
         rows.extend(starts)
-    return tile_seqs, rows
+    return seqs, rows
 
 
-#: Warps of a `_decode_kernel` program. It holds a value head's whole [dk, dv] float32 state in
-#: registers: 64 KB at Qwen3.5's 128 x 128, 64 registers a thread at 8 warps (at 4 the state
-#: alone would take 128 of a thread's 255 and spill).
-DECODE_WARPS = 8
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr", "rows_ptr"])
+def _recurrent_kernel(
+    qkv_ptr,
+    ab_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    out_ptr,
+    state_ptr,
+    slots_ptr,
+    rows_ptr,
+    stride_qkv,
+    stride_ab,
+    a_col,
+    b_col,
+    stride_out,
+    stride_state_slot,
+    scale,
+    KEY_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+):
+    seq = tl.program_id(0)  # one token per sequence: row rows[seq], or row seq
+    t = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    ks = tl.arange(0, DK)
+    vs = tl.program_id(2) * BV + tl.arange(0, BV)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    state = state_ptr + slot * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
+    s = tl.load(state)  # [DK, BV] float32
+    row = qkv_ptr + t * stride_qkv
+    q = tl.load(row + hk * DK + ks).to(tl.float32)
+    k = tl.load(row + KEY_DIM + hk * DK + ks).to(tl.float32)
+    v = tl.load(row + 2 * KEY_DIM + hv * DV + vs).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    g, beta = _gates(ab_ptr + t * stride_ab, a_col, b_col, hv, a_log_ptr, dt_bias_ptr, True)
+    s = s * tl.exp(g)
+    read = tl.sum(s * k[:, None], axis=0)
+    s = s + k[:, None] * (beta * (v - read))[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(out_ptr + t * stride_out + hv * DV + vs, o.to(out_ptr.dtype.element_ty))
+    tl.store(state, s)
+
+
+def recurrent_gated_delta_rule(
+    qkv: torch.Tensor,
+    proj: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    shape: DeltaNetShape,
+    rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One delta-rule step for each of a batch of one-token sequences.
+
+    Sequence i feeds row rows[i] (default: row i) and keeps its state in slots[i]. qkv [T, C]
+    is the conv's output ([q | k | v]); proj [T, *] the layer's input projection, whose last
+    2·Hv columns are b then a; states [slots, Hv, dk, dv] float32, updated in place. Writes
+    those rows of `out` [T, Hv, dv] (allocated in qkv's dtype when None) and returns it.
+    """
+    heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
+    assert states.shape[1:] == (heads, dk, dv) and qkv.stride(1) == 1 and proj.stride(1) == 1
+    if out is None:
+        out = torch.empty(qkv.shape[0], heads, dv, dtype=qkv.dtype, device=qkv.device)
+    bv = min(dv, 32)
+    grid = (slots.shape[0], heads, dv // bv)
+    _recurrent_kernel[grid](
+        qkv, proj, a_log, dt_bias, out, states, slots, slots if rows is None else rows,
+        qkv.stride(0), proj.stride(0), proj.shape[1] - heads, proj.shape[1] - 2 * heads,
+        out.stride(0), states.stride(0), dk**-0.5, KEY_DIM=shape.num_key_heads * dk,
+        GROUP=heads // shape.num_key_heads, DK=dk, DV=dv, BV=bv, HAS_ROWS=rows is not None,
+    )  # fmt: skip
+    return out
+
+
+#: Value columns per `_decode_kernel` program, and its warps: the recurrent kernel's.
+DECODE_BLOCK = 32
+DECODE_WARPS = 4
 
 
 @triton.jit
@@ -247,7 +328,7 @@ def _gated_norm(x, z, w, eps, D: tl.constexpr):
     return (scaled * z * tl.sigmoid(z)).to(x.dtype)
 
 
-@triton.jit(do_not_specialize_on_alignment=["slots_ptr", "rows_ptr"])
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _decode_kernel(
     proj_ptr,
     conv_w_ptr,
@@ -258,7 +339,6 @@ def _decode_kernel(
     state_ptr,
     out_ptr,
     slots_ptr,
-    rows_ptr,
     arrivals_ptr,
     stride_proj,
     z_col,
@@ -273,27 +353,29 @@ def _decode_kernel(
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
+    BV: tl.constexpr,
 ):
-    """One value head of a one-token sequence: the conv of its q, k and v channels (moving
-    their windows), the delta-rule step on its whole [dk, dv] state, and the gated norm of its
-    output, which needs all of the head's dv values: hence a program per (sequence, value
-    head), not per value block.
+    """A block of BV value columns of one value head of sequence (row) i: the conv of the
+    head's q and k channels and of the block's v channels, the delta-rule step on the block's
+    [dk, BV] state (as `_recurrent_kernel`), its output stored unnormalised; then the gated
+    norm, which needs a head's whole dv, by whichever program of the key head comes last.
 
-    The GROUP value heads of a key head all convolve its q and k channels, so their windows
-    may only move once every one of them has read them: each program counts itself in
-    `arrivals` (per sequence and key head) after reading, and the last to arrive stores the
-    moved q/k windows and resets the count to zero for the next launch. No program waits on
-    another; the v channels are the program's own."""
+    All GROUP * dv/BV programs of a key head convolve its q and k channels, so their windows
+    may only move once every one of them has read them, and a head's outputs may only be
+    normalised once all its blocks are stored: each program counts itself in `arrivals` (per
+    sequence and key head) after reading the windows and storing its outputs, and the last to
+    arrive moves the q/k windows, normalises the key head's GROUP value heads in place and
+    resets the count for the next launch. No program waits on another; a block's v channels
+    and state are its own."""
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
-    t = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
+    t = seq.to(tl.int64)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     ks = tl.arange(0, DK)
-    vs = tl.arange(0, DV)
+    vs = tl.program_id(2) * BV + tl.arange(0, BV)
     state = state_ptr + slot * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
-    s = tl.load(state)  # [DK, DV] float32
+    s = tl.load(state)  # [DK, BV] float32
     row = proj_ptr + t * stride_proj
     window = conv_state_ptr + slot * stride_conv_slot
     key_dim: tl.constexpr = NUM_KEY_HEADS * DK
@@ -304,16 +386,6 @@ def _decode_kernel(
     k, k0, k1, k2 = _conv_token(row, conv_w_ptr, window, k_cols)
     v, v0, v1, v2 = _conv_token(row, conv_w_ptr, window, v_cols)
     _store_window(window, v_cols, v0, v1, v2, vs < DV)
-    if GROUP == 1:
-        last = ks < DK
-    else:
-        tl.debug_barrier()  # every thread of the program has read the q/k windows
-        arrival = arrivals_ptr + seq * NUM_KEY_HEADS + hk
-        arrived = tl.atomic_add(arrival, 1, sem="acq_rel")
-        last = (arrived + tl.zeros_like(ks)) == GROUP - 1  # a [DK] mask: all or none
-        tl.store(arrival + ks, 0, mask=last & (ks == 0))
-    _store_window(window, q_cols, q0, q1, q2, last)
-    _store_window(window, k_cols, k0, k1, k2, last)
     # The delta rule, as `ops.recurrent_gated_delta_rule` (q and k L2-normalised in float32).
     qf = q.to(tl.float32)
     kf = k.to(tl.float32)
@@ -323,11 +395,26 @@ def _decode_kernel(
     s = s * tl.exp(g)
     read = tl.sum(s * kf[:, None], axis=0)
     s = s + kf[:, None] * (beta * (v.to(tl.float32) - read))[None, :]
-    o = tl.sum(s * qf[:, None], axis=0).to(q.dtype)
     tl.store(state, s)
-    z = tl.load(row + z_col + hv * DV + vs).to(tl.float32)
-    normed = _gated_norm(o[None, :], z[None, :], tl.load(norm_w_ptr + vs), eps, DV)
-    tl.store(out_ptr + t * stride_out + hv * DV + vs[None, :], normed)
+    out_row = out_ptr + t * stride_out
+    tl.store(out_row + hv * DV + vs, tl.sum(s * qf[:, None], axis=0).to(q.dtype))
+    tl.debug_barrier()  # every thread of the program has read the windows, stored its outputs
+    arrival = arrivals_ptr + seq * NUM_KEY_HEADS + hk
+    arrived = tl.atomic_add(arrival, 1, sem="acq_rel")
+    last_k = (arrived + tl.zeros_like(ks)) == GROUP * (DV // BV) - 1  # all or none
+    tl.store(arrival + ks, 0, mask=last_k & (ks == 0))
+    _store_window(window, q_cols, q0, q1, q2, last_k)
+    _store_window(window, k_cols, k0, k1, k2, last_k)
+    ds = tl.arange(0, DV)
+    last_v = (arrived + tl.zeros_like(ds)) == GROUP * (DV // BV) - 1
+    w = tl.load(norm_w_ptr + ds)
+    for r in tl.static_range(GROUP):
+        head = hk * GROUP + r
+        # Written by other programs: read past this SM's L1, after the acquiring arrival.
+        x = tl.load(out_row + head * DV + ds, mask=last_v, other=0.0, cache_modifier=".cg")
+        z = tl.load(row + z_col + head * DV + ds, mask=last_v, other=0.0).to(tl.float32)
+        normed = _gated_norm(x[None, :], z[None, :], w, eps, DV)
+        tl.store(out_row + head * DV + ds[None, :], normed, mask=last_v[None, :])
 
 
 def decode_gated_delta_net(
@@ -342,38 +429,39 @@ def decode_gated_delta_net(
     slots: torch.Tensor,
     arrivals: torch.Tensor,
     shape: DeltaNetShape,
-    out: torch.Tensor,
-    rows: torch.Tensor | None = None,
     num_warps: int = DECODE_WARPS,
-) -> None:
-    """A DeltaNet layer's work between its two projections for a batch of one-token
-    sequences, in one launch: the conv, the delta rule and the gated norm.
+) -> torch.Tensor:
+    """A decode step's DeltaNet work between the layer's two projections, in one launch: the
+    conv, the delta rule and the gated norm of `causal_conv1d`, `recurrent_gated_delta_rule`
+    and `gated_rms_norm` (references: `ops.causal_conv1d`, `ops.recurrent_gated_delta_rule`,
+    `ops.gated_rms_norm`).
 
-    Sequence i feeds row rows[i] (default: row i) of proj [T, C + Hv·dv + 2·Hv], the layer's
-    input projection `[qkv | z | b | a]`, and keeps its conv window in conv_states[slots[i]]
-    [C, 3] and its state in states[slots[i]] [Hv, dk, dv] (both float32, updated in place).
-    Writes those rows of out [T, Hv, dv]. `arrivals` [>= sequences, Hk] int32 must be zero
-    (each launch leaves it so). `num_warps` per program (`benchmarks/qwen35_delta_rule.py`
-    times the alternatives). References: `ops.causal_conv1d`,
-    `ops.recurrent_gated_delta_rule`, `ops.gated_rms_norm`.
+    Sequence i is row i of proj [T, C + Hv·dv + 2·Hv], the layer's input projection
+    `[qkv | z | b | a]`, and keeps its conv window in conv_states[slots[i]] [C, 3] and its
+    state in states[slots[i]] [Hv, dk, dv] (both float32, updated in place). Returns the
+    normalised outputs [T, Hv, dv]. `arrivals` [>= T, Hk] int32 must be zero (each launch
+    leaves it so). `num_warps` per program (`benchmarks/qwen35_delta_rule.py` times the
+    alternatives).
     """
     heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
-    channels = shape.conv_channels
+    channels, tokens = shape.conv_channels, proj.shape[0]
     assert states.shape[1:] == (heads, dk, dv) and states.dtype == torch.float32
     assert conv_states.shape[1:] == (channels, 3) and conv_states.dtype == torch.float32
     assert conv_weight.shape[0] == channels and conv_weight.shape[-1] == 4
     assert proj.stride(1) == 1 and proj.shape[1] == channels + heads * dv + 2 * heads
-    assert out.shape == (proj.shape[0], heads, dv) and out.is_contiguous()
+    assert slots.shape[0] == tokens and norm_weight.dtype == proj.dtype
     assert arrivals.dtype == torch.int32 and arrivals.shape[1] == shape.num_key_heads
-    assert slots.shape[0] <= arrivals.shape[0] and norm_weight.dtype == proj.dtype
-    _decode_kernel[(slots.shape[0], heads)](
+    assert tokens <= arrivals.shape[0]
+    out = torch.empty(tokens, heads, dv, dtype=proj.dtype, device=proj.device)
+    bv = min(dv, DECODE_BLOCK)
+    _decode_kernel[(tokens, heads, dv // bv)](
         proj, conv_weight.reshape(channels, 4), conv_states, a_log, dt_bias, norm_weight,
-        states, out, slots, slots if rows is None else rows, arrivals, proj.stride(0),
-        channels, proj.shape[1] - heads, proj.shape[1] - 2 * heads, conv_states.stride(0),
-        states.stride(0), out.stride(0), dk**-0.5, eps, NUM_KEY_HEADS=shape.num_key_heads,
-        GROUP=heads // shape.num_key_heads, DK=dk, DV=dv, HAS_ROWS=rows is not None,
-        num_warps=num_warps,
+        states, out, slots, arrivals, proj.stride(0), channels, proj.shape[1] - heads,
+        proj.shape[1] - 2 * heads, conv_states.stride(0), states.stride(0), out.stride(0),
+        dk**-0.5, eps, NUM_KEY_HEADS=shape.num_key_heads, GROUP=heads // shape.num_key_heads,
+        DK=dk, DV=dv, BV=bv, num_warps=num_warps,
     )  # fmt: skip
+    return out
 
 
 @triton.jit
@@ -785,8 +873,7 @@ def chunked_gated_delta_rule(
     """The delta rule over the plan's sequences, chunk by chunk, from and into their state
     slots; writes their rows of out [T, Hv, dv] (other rows are left alone).
 
-    qkv [T, C] is the conv's output ([q | k | v]); proj [T, *] the layer's input projection,
-    whose last 2·Hv columns are b then a; states [slots, Hv, dk, dv] float32. Three launches, as
+    qkv [T, C] and proj as `recurrent_gated_delta_rule`. Three launches, as
     flash-linear-attention splits the work: the WY factors of every chunk (independent),
     the state across each sequence's chunks (sequential), the outputs of every chunk
     (independent). The products run on bf16 tensor cores in float32 accumulation (`_mm`):
@@ -824,42 +911,33 @@ def chunked_gated_delta_rule(
     )  # fmt: skip
 
 
-#: (token, head) rows of the gated norm per program.
-NORM_ROWS = 16
-
-
-@triton.jit(do_not_specialize_on_alignment=["chunk_start_ptr", "chunk_end_ptr"])
+@triton.jit
 def _gated_rms_norm_kernel(
-    x_ptr, z_ptr, w_ptr, chunk_start_ptr, chunk_end_ptr, heads, stride_z, eps,
+    x_ptr, z_ptr, w_ptr, out_ptr, rows, heads, stride_z, eps,
     D: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """ROWS of a chunk's (token, head) rows, in place."""
-    chunk = tl.program_id(0)
-    start = tl.load(chunk_start_ptr + chunk).to(tl.int64)
-    end = tl.load(chunk_end_ptr + chunk).to(tl.int64)
-    i = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    token = start + i // heads
-    head = i % heads
-    m = (token < end)[:, None]
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = r < rows
     cols = tl.arange(0, D)
-    at = x_ptr + (token * heads + head)[:, None] * D + cols[None, :]
-    x = tl.load(at, mask=m, other=0.0)
-    z = tl.load(z_ptr + (token * stride_z + head * D)[:, None] + cols[None, :], mask=m,
-                other=0.0)  # fmt: skip
-    tl.store(at, _gated_norm(x, z.to(tl.float32), tl.load(w_ptr + cols), eps, D), mask=m)
+    m = rmask[:, None]
+    x = tl.load(x_ptr + r[:, None] * D + cols[None, :], mask=m, other=0.0)
+    z_rows = (r // heads) * stride_z + (r % heads) * D
+    z = tl.load(z_ptr + z_rows[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    out = _gated_norm(x, z, tl.load(w_ptr + cols), eps, D)
+    tl.store(out_ptr + r[:, None] * D + cols[None, :], out, mask=m)
 
 
 def gated_rms_norm(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, plan: ChunkPlan
-) -> None:
-    """`weight * norm(x) * silu(z)` per head, in place, on the rows of the plan's chunks: x
-    [T, H, D] contiguous, z [T, H, D] with rows of any stride (a view into the input
-    projection). The other rows (the decodes, which `decode_gated_delta_net` normalises) are
-    left alone."""
-    heads, dim = x.shape[1:]
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`weight * norm(x) * silu(z)` per head: x [T, H, D] contiguous, z [T, H, D] with rows of
+    any stride (a view into the input projection)."""
+    tokens, heads, dim = x.shape
     assert x.is_contiguous() and z.stride(2) == 1 and z.stride(1) == dim
     assert weight.dtype == x.dtype
-    grid = (plan.num_chunks, triton.cdiv(CHUNK * heads, NORM_ROWS))
-    _gated_rms_norm_kernel[grid](
-        x, z, weight, plan.start, plan.end, heads, z.stride(0), eps, D=dim, ROWS=NORM_ROWS
+    out = torch.empty_like(x)
+    rows, block = tokens * heads, 16
+    _gated_rms_norm_kernel[(triton.cdiv(rows, block),)](
+        x, z, weight, out, rows, heads, z.stride(0), eps, D=dim, ROWS=block
     )
+    return out

@@ -16,6 +16,7 @@ DeltaNet's qkv/z/b/a in one, gate/up in one.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 from itertools import chain
@@ -46,85 +47,96 @@ from pegainfer.models.qwen35.config import FULL, Qwen35Config
 if TYPE_CHECKING:
     from pegainfer.models.qwen35.kernels import ChunkPlan
 
+#: Set to 1, decode steps (and their graphs) run each DeltaNet layer's conv, recurrent step and
+#: gated norm in one launch (`kernels.decode_gated_delta_net`) instead of three. Off by default
+#: until an H200 run has checked and timed it (issue 20).
+FUSED_DECODE_ENV = "PEGAINFER_QWEN35_FUSED_DECODE"
+
+
+def fused_decode() -> bool:
+    """Whether `FUSED_DECODE_ENV` asks for the fused decode kernel (refusing other values)."""
+    value = os.environ.get(FUSED_DECODE_ENV, "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{FUSED_DECODE_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # Checkpoint prefixes of the decoder: VLM checkpoints nest it under the language model.
 _PREFIXES = ("model.language_model.", "model.")
 _IGNORED = ("model.visual.", "mtp.")
 
 
 @dataclass(frozen=True)
-class ChunkedSequences:
-    """The sequences of a step that run the conv, the chunk kernels and the gated norm (those
-    with several tokens or a checkpoint): sequence i of the step owns rows
-    bounds[i]:bounds[i+1] and the state slot slots[i]; `conv_tiles` cuts the chunked ones'
-    rows into the conv's tiles (the longest is `max_len` rows), `conv_snapshots` (offsets,
-    slots) says where their conv windows are checkpointed, when anything is, and `plan` cuts
-    them into the chunk kernels' chunks."""
+class DeltaNetStep:
+    """How the DeltaNet kernels walk one step (CUDA path), built once per step.
+
+    Sequence i owns rows bounds[i]:bounds[i+1] and the state slot slots[i]; the conv runs them
+    all. The delta rule runs each one-token sequence through the recurrent kernel (the
+    sequences in `recurrent_slots`, at rows `recurrent_rows`; None: row i is sequence i, a
+    decode step) and the others through the chunk kernels (`chunks`), so the decodes of a
+    mixed step cost a decode each, not a chunk each. `conv_tiles` (None in a decode step)
+    cuts the rows into the conv's tiles; `conv_snapshots` (offsets, slots) says where the conv
+    window is checkpointed, when anything is. `arrivals` (the fused decode kernel's zeroed
+    counters) is set when a decode step runs that kernel instead (opt-in: `FUSED_DECODE_ENV`).
+    """
 
     slots: torch.Tensor
     bounds: torch.Tensor
     max_len: int
-    conv_tiles: tuple[torch.Tensor, torch.Tensor]
-    conv_snapshots: tuple[torch.Tensor, torch.Tensor] | None
-    plan: ChunkPlan
-
-
-@dataclass(frozen=True)
-class DeltaNetStep:
-    """How the DeltaNet kernels walk one step (CUDA path), built once per step.
-
-    One-token sequences (every sequence of a decode step, the decodes of a mixed step) run
-    through the fused decode kernel: the sequences in `decode_slots`, at rows `decode_rows`
-    (None: row i is sequence i, a decode step), with `arrivals` its zeroed counters; the
-    others, if any, are `chunked`.
-    """
-
-    arrivals: torch.Tensor
-    decode_slots: torch.Tensor | None = None
-    decode_rows: torch.Tensor | None = None
-    chunked: ChunkedSequences | None = None
+    recurrent_slots: torch.Tensor | None = None
+    recurrent_rows: torch.Tensor | None = None
+    chunks: ChunkPlan | None = None
+    conv_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+    conv_snapshots: tuple[torch.Tensor, torch.Tensor] | None = None
+    arrivals: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, batch: ForwardBatch, arrivals: torch.Tensor) -> DeltaNetStep:
+    def of(
+        cls,
+        batch: ForwardBatch,
+        decode_bounds: torch.Tensor | None = None,
+        arrivals: torch.Tensor | None = None,
+    ) -> DeltaNetStep:
         from pegainfer.models.qwen35.kernels import ChunkPlan, conv_tiles
 
         assert batch.state_slots is not None
         num_seqs, device = batch.num_seqs, batch.input_ids.device
         snapshots = batch.state_snapshot_cpu
         if batch.is_decode and not any(snapshots):
-            return cls(arrivals, decode_slots=batch.state_slots)
+            bounds = decode_bounds[: num_seqs + 1] if decode_bounds is not None else None
+            if bounds is None:
+                bounds = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+            return cls(batch.state_slots, bounds, 1, recurrent_slots=batch.state_slots,
+                       arrivals=arrivals)  # fmt: skip
         bounds = batch.query_start_loc_cpu.tolist()
         slots = batch.state_slots_cpu
         # A checkpoint at offset 0 is the state the step starts from: `_start_states` copies it.
         inside = [s if s is not None and s[0] > 0 else None for s in snapshots]
         single = [n == 1 and s is None for n, s in zip(batch.query_lens_cpu, inside, strict=True)]
-        decodes = [i for i in range(num_seqs) if single[i]]
+        recurrent = [i for i in range(num_seqs) if single[i]]
         chunked = [i for i in range(num_seqs) if not single[i]]
         plan = ChunkPlan.host_lists([(bounds[i], bounds[i + 1], inside[i]) for i in chunked])
         lists = (
             bounds,
-            [bounds[i] for i in decodes],
-            [slots[i] for i in decodes],
+            [bounds[i] for i in recurrent],
+            [slots[i] for i in recurrent],
             [slots[i] for i in chunked],
             *plan,
-            *conv_tiles(bounds, chunked),
+            *conv_tiles(bounds),
             [-1 if s is None else s[0] for s in inside],
             [0 if s is None else s[1] for s in inside],
         )
         host = np.fromiter(chain.from_iterable(lists), np.int32, sum(map(len, lists)))
         parts = to_device_array(host, device).split([len(x) for x in lists])
-        # Not a decode step: some sequence has several tokens or a checkpoint, so `chunked`.
         return cls(
-            arrivals,
-            decode_slots=parts[2] if decodes else None,
-            decode_rows=parts[1] if decodes else None,
-            chunked=ChunkedSequences(
-                slots=batch.state_slots,
-                bounds=parts[0],
-                max_len=max(batch.query_lens_cpu[i] for i in chunked),
-                conv_tiles=(parts[8], parts[9]),
-                conv_snapshots=(parts[10], parts[11]) if any(inside) else None,
-                plan=ChunkPlan(*parts[3:8]),
-            ),
+            slots=batch.state_slots,
+            bounds=parts[0],
+            max_len=max(batch.query_lens_cpu),
+            recurrent_slots=parts[2] if recurrent else None,
+            recurrent_rows=parts[1] if recurrent else None,
+            chunks=ChunkPlan(*parts[3:8]) if chunked else None,
+            conv_tiles=(parts[8], parts[9]),
+            conv_snapshots=(parts[10], parts[11]) if any(inside) else None,
         )
 
 
@@ -236,9 +248,7 @@ class GatedDeltaNet(nn.Module):
         conv_states: torch.Tensor,
         recurrent_states: torch.Tensor,
     ) -> torch.Tensor:
-        """The conv, the delta rule and the gated norm over the whole step (CUDA): the chunked
-        sequences through the conv, chunk and norm kernels, the one-token ones through the
-        fused decode kernel."""
+        """The conv, the delta rule and the gated norm over the whole step (CUDA)."""
         from pegainfer.models.qwen35 import kernels
 
         cfg = self.cfg
@@ -246,23 +256,24 @@ class GatedDeltaNet(nn.Module):
             cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
             cfg.linear_value_head_dim,
         )  # fmt: skip
-        out = torch.empty(proj.shape[0], *z.shape[1:], dtype=proj.dtype, device=proj.device)
-        if (chunked := step.chunked) is not None:
-            qkv = kernels.causal_conv1d(
-                proj[:, : cfg.conv_channels], self.conv1d, conv_states, chunked.slots,
-                chunked.bounds, chunked.max_len, chunked.conv_tiles, chunked.conv_snapshots,
-            )  # fmt: skip
-            kernels.chunked_gated_delta_rule(
-                qkv, proj, self.A_log, self.dt_bias, recurrent_states, chunked.plan, shape, out
-            )
-            kernels.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps, chunked.plan)
-        if step.decode_slots is not None:
-            kernels.decode_gated_delta_net(
+        if step.arrivals is not None:  # a decode step, all three in one launch (opt-in)
+            return kernels.decode_gated_delta_net(
                 proj, self.conv1d, conv_states, self.A_log, self.dt_bias, self.norm,
-                cfg.rms_norm_eps, recurrent_states, step.decode_slots, step.arrivals, shape, out,
-                step.decode_rows,
+                cfg.rms_norm_eps, recurrent_states, step.slots, step.arrivals, shape,
             )  # fmt: skip
-        return out
+        qkv = kernels.causal_conv1d(
+            proj[:, : cfg.conv_channels], self.conv1d, conv_states, step.slots, step.bounds,
+            step.max_len, step.conv_tiles, step.conv_snapshots,
+        )  # fmt: skip
+        out = torch.empty(qkv.shape[0], *z.shape[1:], dtype=qkv.dtype, device=qkv.device)
+        args = (qkv, proj, self.A_log, self.dt_bias, recurrent_states)
+        if step.chunks is not None:
+            kernels.chunked_gated_delta_rule(*args, step.chunks, shape, out)
+        if step.recurrent_slots is not None:
+            kernels.recurrent_gated_delta_rule(
+                *args, step.recurrent_slots, shape, step.recurrent_rows, out
+            )
+        return kernels.gated_rms_norm(out, z, self.norm, cfg.rms_norm_eps)
 
     def _reference(
         self,
@@ -375,7 +386,8 @@ class Qwen35ForCausalLM(Model):
         self.rope: RotaryEmbedding | None = None
         self.attn: PagedAttention | None = None
         self.ops: LayerOps | None = None
-        # The decode kernel's counters (`kernels.decode_gated_delta_net`), zero between launches.
+        self._decode_bounds: torch.Tensor | None = None
+        # The fused decode kernel's counters, when decode steps run it (`FUSED_DECODE_ENV`).
         self._arrivals: torch.Tensor | None = None
         # The step `prepare`/`prepare_graph` planned: the DeltaNet kernels' walk (CUDA), and
         # whether it replays a graph (states then only continue: nothing to start).
@@ -432,12 +444,14 @@ class Qwen35ForCausalLM(Model):
         self.attn = attn
         self.ops = layer_ops(kernels)
         self._max_rows = max(runtime.max_num_batched_tokens, *runtime.graph_buckets, 1)
-        seqs = max((runtime.max_num_seqs, *runtime.graph_buckets))
-        self._arrivals = (
-            torch.zeros(seqs, cfg.linear_num_key_heads, dtype=torch.int32, device=device)
-            if kernels.type == "cuda"
-            else None
-        )
+        if runtime.graph_buckets:
+            largest = max(runtime.graph_buckets)
+            self._decode_bounds = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self._arrivals = None
+        if kernels.type == "cuda" and fused_decode():
+            seqs = max((runtime.max_num_seqs, *runtime.graph_buckets))
+            self._arrivals = torch.zeros(seqs, cfg.linear_num_key_heads, dtype=torch.int32,
+                                         device=device)  # fmt: skip
 
     def attach_mtp(self, mtp: nn.Module) -> None:
         """Serve speculative decoding with `mtp` (after `init_runtime`): its KV arena joins the
@@ -457,17 +471,14 @@ class Qwen35ForCausalLM(Model):
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
         self.attn.plan(batch)
-        self._step = None
-        if uses_cuda_kernels(batch.input_ids):
-            assert self._arrivals is not None, "set_up_steps() for CUDA kernels allocates them"
-            self._step = DeltaNetStep.of(batch, self._arrivals)
+        cuda = uses_cuda_kernels(batch.input_ids)
+        self._step = DeltaNetStep.of(batch, self._decode_bounds, self._arrivals) if cuda else None
         self._replaying = False
 
     def prepare_graph(self, batch: ForwardBatch, bucket: int) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
         self.attn.plan_graph(batch, bucket)
-        assert self._arrivals is not None, "graphs run the CUDA kernels"
-        self._step = DeltaNetStep.of(batch, self._arrivals)
+        self._step = DeltaNetStep.of(batch, self._decode_bounds, self._arrivals)
         self._replaying = True
 
     @staticmethod
