@@ -43,6 +43,9 @@ def test_startup_cold_and_warm(tiny_model, tmp_path):
         assert set(roles) == {"http", "engine", "resource tracker"}, roles
         assert roles["http"] < 200 < roles["engine"], roles
         assert abs(sum(roles.values()) - run["idle_rss_mib"]) < 1
+        mappings = run["idle_engine_mappings_mib"]
+        assert any("libtorch" in path for path in mappings), mappings
+        assert sum(mappings.values()) <= roles["engine"] + 1
         # Shared pages (libraries) count once per process in the RSS sum, split in PSS.
         assert 50 < run["idle_pss_mib"] < run["idle_rss_mib"]
         assert run["idle_rss_anon_mib"] + run["idle_rss_file_mib"] <= run["idle_rss_mib"] + 1

@@ -43,6 +43,26 @@ def role(pid: int, root: int) -> str:
     return "engine" if parent == root else "worker"
 
 
+def resident_by_mapping(pid: int, top: int = 12) -> list[tuple[str, int]]:
+    """What process `pid` keeps resident, by what it maps, largest first (the `top` largest):
+    each file (a library, a memory-mapped checkpoint), "[heap]", "[anon]" (anonymous mappings:
+    torch's and CUDA's allocations, page-locked buffers, loaded GPU modules), "[stack]"...,
+    with its resident bytes. Empty for a process that has exited."""
+    try:
+        lines = (_PROC / str(pid) / "smaps").read_text().splitlines()
+    except OSError:
+        return []
+    resident: dict[str, int] = {}
+    name = "[anon]"
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) >= 5 and "-" in parts[0] and ":" in parts[3]:  # a mapping's header
+            name = parts[5].strip() if len(parts) == 6 else "[anon]"
+        elif parts and parts[0] == "Rss:":
+            resident[name] = resident.get(name, 0) + int(parts[1]) * 1024
+    return sorted(resident.items(), key=lambda item: -item[1])[:top]
+
+
 def rss_bytes(pids: list[int]) -> int:
     """Sum of VmRSS over `pids` (processes that exited meanwhile count as 0)."""
     return sum(process_rss(pid) for pid in pids)

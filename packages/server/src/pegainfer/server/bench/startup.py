@@ -2,8 +2,9 @@
 
 Each run starts `pegainfer-server` as a user would, polls /health until it answers 200, waits
 for the process tree to settle, reads its resident memory (every process: the HTTP server, the
-engine, any parallel workers; in all and by role) and GPU memory, then stops it. The server's
-own start-up log lines (each phase's time and RSS) are kept with the run.
+engine, any parallel workers; in all, by role, and the engine's by mapping: libraries, heap,
+anonymous memory) and GPU memory, then stops it. The server's own start-up log lines (each
+phase's time and RSS) are kept with the run.
 
 Cold runs point FlashInfer's, Triton's and the CUDA driver's kernel caches at empty
 directories, so every kernel compiles as on a fresh machine (with `--drop-page-cache`, the
@@ -34,6 +35,7 @@ from pegainfer.server.bench.process_tree import (
     descendants,
     gpu_bytes,
     memory_by_kind,
+    resident_by_mapping,
     role,
     rss_bytes,
 )
@@ -108,14 +110,19 @@ def run_once(
         gpu = gpu_bytes(tree)
         kinds = {f"idle_{kind}_mib": value / 2**20 for kind, value in memory_by_kind(tree).items()}
         by_role: dict[str, float] = {}
+        engine_mappings: dict[str, float] = {}
         for pid in tree:
             name = role(pid, process.pid)
             by_role[name] = by_role.get(name, 0.0) + rss_bytes([pid]) / 2**20
+            if name == "engine":
+                engine_mappings = {path: size / 2**20 for path, size in resident_by_mapping(pid)}
         return {
             "ready_s": ready_s,
             "idle_rss_mib": rss_bytes(tree) / 2**20,
             **kinds,
             "idle_rss_by_role_mib": by_role,
+            # Where the engine process's resident memory is: its largest mappings.
+            "idle_engine_mappings_mib": engine_mappings,
             "processes": len(tree),
             "gpu_mib": None if gpu is None else gpu / 2**20,
             "phases": phases(log_path.read_text()),
@@ -149,6 +156,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{cache} run {len(runs)}: ready in {run['ready_s']:.2f} s, idle RSS "
                   f"{run['idle_rss_mib']:.0f} MiB{pss} over {run['processes']} processes "
                   f"({parts}){gpu}", flush=True)  # fmt: skip
+            mappings = list(run["idle_engine_mappings_mib"].items())
+            largest = ", ".join(f"{Path(path).name} {mib:.0f}" for path, mib in mappings[:6])
+            print(f"  the engine's largest resident mappings (MiB): {largest}", flush=True)
             return {"cache": cache, **run}
 
         for i in range(args.cold_runs):
