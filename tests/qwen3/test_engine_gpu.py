@@ -120,6 +120,21 @@ def test_small_golden_gate(small):
     print(json.dumps(judge(passes, refs16, refs32), indent=2))
 
 
+def test_small_golden_gate_with_the_small_batch_gemv(small):
+    """--small-batch-gemv: the decode graphs' and small eager steps' dense layers through the
+    Triton GEMV (the MLP's down with its activation fused) pass the same gate."""
+    import transformers
+
+    path, _, hf = small
+    engine = gpu_engine(path, small_batch_gemv=True)
+    cases = make_cases(9, vocab=1000, max_prompt=200, decode=8, seed=0)
+    hf32 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    refs16 = [reference_logprobs(hf, c) for c in cases]
+    refs32 = [reference_logprobs(hf32, c) for c in cases]
+    passes = small_gate_passes(TeacherForcer(engine), cases)
+    print(json.dumps(judge(passes, refs16, refs32), indent=2))
+
+
 def test_batch1_is_deterministic(small):
     _, engine, _ = small
     (case,) = make_cases(1, vocab=1000, max_prompt=100, decode=8, seed=3)

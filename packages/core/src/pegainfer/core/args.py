@@ -153,6 +153,13 @@ class EngineArgs:
         "sequence(s) on for groups of 4 and 8, the CUDA-core kernel below that and for smaller "
         "groups.",
     )
+    small_batch_gemv: bool = _arg(
+        False,
+        "Qwen3 on CUDA: in steps of at most 16 rows (the small decode buckets) the LM head and "
+        "each MLP's gate_up, its SiLU-and-mul in the epilogue, run a Triton GEMV instead of "
+        "cuBLAS (faster on an H200 at Qwen3-4B's shapes: benchmarks/decode_kernels.py).",
+        "--small-batch-gemv",
+    )
     async_scheduling: bool = _arg(
         True,
         "Wait for each step's tokens before scheduling the next, instead of scheduling and "

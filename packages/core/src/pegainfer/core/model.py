@@ -60,6 +60,8 @@ class Model(torch.nn.Module, ABC):
     #: Whether the line's attention decodes through `attention.paged` (GQA), which honours
     #: `RuntimeConfig.decode_attention_tensor_cores`; the engine refuses a choice otherwise.
     gqa_decode_kernels: bool = False
+    #: Whether the line's dense layers honour `RuntimeConfig.small_batch_gemv` (`core.dense`).
+    supports_small_batch_gemv: bool = False
 
     @property
     def transient_bytes(self) -> int:

@@ -55,6 +55,8 @@ class RuntimeConfig:
     graph_buckets: tuple[int, ...] = ()
     #: `--decode-attention-tensor-cores`: for lines whose `Model.gqa_decode_kernels` is set.
     decode_attention_tensor_cores: str = "auto"
+    #: `--small-batch-gemv`: for lines whose `Model.supports_small_batch_gemv` is set.
+    small_batch_gemv: bool = False
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -16,9 +16,9 @@ one module per dtype and head size, GQA groups of 1, 2, 3, 4 and 8 compiled in) 
 group of query heads into the rows of one MMA tile (the same JIT module as the prefill
 wrapper's). `DecodeKernels` picks one per decode batch size: each graph bucket gets its own, and
 an eager step's decode rows the one their count picks (`benchmarks/decode_kernels.py` times
-both). The CUDA-core module is one more JIT build at its first plan (~20 s on a cold cache on an
-H200, then loaded from the cache); graph capture plans every bucket, and the warm-up's steps of
-one and three decodes the eager wrappers, so it is loaded before the server is ready
+both). Where a choice takes the CUDA-core kernel, its module is one more JIT build at its first
+plan (~20 s on a cold cache on an H200, then loaded from the cache); the start plans a one-row
+and a largest decode batch (`kernels/precompile.py`), so it is loaded before the server is ready
 (`tests/core/test_warmup_gpu.py` checks that serving loads no module).
 """
 

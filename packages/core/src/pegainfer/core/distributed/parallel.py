@@ -16,6 +16,7 @@ rank reads only the bytes it keeps (safetensors slices lazily).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -127,7 +128,11 @@ def vocab_parallel_embedding(
 
 
 def vocab_parallel_logits(
-    x: torch.Tensor, shard: torch.Tensor, group: ParallelGroup
+    x: torch.Tensor,
+    shard: torch.Tensor,
+    group: ParallelGroup,
+    matmul: Callable[[torch.Tensor, Weight], torch.Tensor] = linear,
 ) -> torch.Tensor:
-    """Logits over the whole vocabulary from this rank's rows of the LM head."""
-    return group.all_gather_last(F.linear(x, shard))
+    """Logits over the whole vocabulary from this rank's rows of the LM head (`matmul`: a
+    `dense.DenseOps`' head)."""
+    return group.all_gather_last(matmul(x, shard))

@@ -294,6 +294,11 @@ class EngineCore:
                 f"{line.name!r} line's attention does not decode through FlashInfer's GQA "
                 "kernels, so there is no choice to make; leave it at auto"
             )
+        if args.small_batch_gemv and not (cuda and self.model.supports_small_batch_gemv):
+            raise ConfigError(
+                "--small-batch-gemv runs a CUDA kernel in the dense layers of lines that support "
+                f"it (Qwen3); not the {line.name!r} line on {device}"
+            )
         runtime = RuntimeConfig(
             block_size=args.block_size,
             max_model_len=max_model_len + lookahead,
@@ -301,6 +306,7 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs,
             graph_buckets=buckets,
             decode_attention_tensor_cores=args.decode_attention_tensor_cores,
+            small_batch_gemv=args.small_batch_gemv,
         )
         if self.ranks is not None:
             self.ranks.init_runtime(runtime)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pegainfer.core.attention.paged import GQAShape, PagedAttention, runtime_paged_attention
+from pegainfer.core.dense import DenseOps, dense_ops
 from pegainfer.core.distributed import parallel
 from pegainfer.core.errors import ConfigError
 from pegainfer.core.kv.kv_cache import ArenaSpec, KVCache
@@ -41,16 +42,18 @@ from pegainfer.models.qwen3.config import Qwen3Config
 
 @dataclass(frozen=True)
 class _Ops(LayerOps):
+    dense: DenseOps
     fused_qk: Callable[..., torch.Tensor] | None = None  # q/k norm + RoPE + KV write at once
 
 
-def _ops(device: torch.device) -> _Ops:
+def _ops(device: torch.device, small_batch_gemv: bool = False) -> _Ops:
     common = layer_ops(device)
+    dense = dense_ops(device, small_batch_gemv)
     if device.type != "cuda":
-        return _Ops(common.add_rms_norm, common.silu_and_mul)
+        return _Ops(common.add_rms_norm, common.silu_and_mul, dense)
     from pegainfer.models.qwen3.kernels import qk_norm_rope_kv_write
 
-    return _Ops(common.add_rms_norm, common.silu_and_mul, qk_norm_rope_kv_write)
+    return _Ops(common.add_rms_norm, common.silu_and_mul, dense, qk_norm_rope_kv_write)
 
 
 class Qwen3Layer(nn.Module):
@@ -112,7 +115,7 @@ class Qwen3Layer(nn.Module):
         return parallel.row_parallel_linear(out.reshape(tokens, -1), self.o_proj, self.group)
 
     def mlp(self, x: torch.Tensor, ops: _Ops) -> torch.Tensor:
-        h = ops.silu_and_mul(linear(x, self.gate_up_proj))
+        h = ops.dense.gated(x, self.gate_up_proj)
         return parallel.row_parallel_linear(h, self.down_proj, self.group)
 
 
@@ -120,6 +123,7 @@ class Qwen3ForCausalLM(Model):
     supports_cuda_graphs = True
     supports_piecewise_graphs = True
     gqa_decode_kernels = True
+    supports_small_batch_gemv = True
 
     def __init__(
         self,
@@ -176,7 +180,7 @@ class Qwen3ForCausalLM(Model):
         device = self.embed_tokens.device
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, runtime.max_model_len, device)
         self.attn = attn
-        self.ops = _ops(kernels)
+        self.ops = _ops(kernels, runtime.small_batch_gemv)
 
     def prepare(self, batch: ForwardBatch) -> None:
         assert self.attn is not None, "init_runtime() must run before the first step"
@@ -248,7 +252,7 @@ class Qwen3ForCausalLM(Model):
         rows = batch.logits_indices
         x, _ = self.ops.add_rms_norm(hidden[rows], residual[rows], self.norm, self.cfg.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return parallel.vocab_parallel_logits(x, head, self.group).float()
+        return parallel.vocab_parallel_logits(x, head, self.group, self.ops.dense.head).float()
 
     def piecewise_cuts(self) -> list[PagedAttention]:
         assert self.attn is not None, "init_runtime() must run before the first step"
