@@ -146,6 +146,23 @@ def test_a_lines_plan_covers_every_kernel_its_steps_launch(line_name, tmp_path, 
     assert [launch.key() for launch in again] == [launch.key() for launch in launches]
 
 
+def test_qwen3s_plan_with_the_small_batch_gemv_covers_its_launches(tmp_path):
+    """--small-batch-gemv: the LM head's and the gated gate_up's GEMV are in the plan, and
+    absent from it without the flag."""
+    from pegainfer.models.qwen3.line import Qwen3Line
+
+    line = Qwen3Line()
+    line.write_tiny_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    ctx = ModelContext(tmp_path, config, torch.bfloat16, torch.device("cuda"))
+    bounds = StepBounds(16, 256, 8, (1, 2, 4, 8), small_batch_gemv=True)
+    gemvs = [launch for launch in line.kernel_plan(ctx, bounds).launches()
+             if launch.name == "_gemv_kernel"]  # fmt: skip
+    assert {dict(launch.kwargs)["GATED"] for launch in gemvs} == {False, True}
+    plain = line.kernel_plan(ctx, StepBounds(16, 256, 8, (1, 2, 4, 8))).launches()
+    assert all(launch.name != "_gemv_kernel" for launch in plain)
+
+
 class PlannedBackend:
     def __init__(self) -> None:
         self.planned: list[int] = []

@@ -913,7 +913,7 @@ def _start_precompile(
     what they launch, as without a plan: logged, not fatal)."""
     buckets = () if args.enforce_eager else graph_buckets(args.max_num_seqs)
     bounds = StepBounds(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, buckets,
-                        args.decode_attention_tensor_cores)  # fmt: skip
+                        args.decode_attention_tensor_cores, args.small_batch_gemv)  # fmt: skip
     try:
         plan = line.kernel_plan(context, bounds)
     except Exception:

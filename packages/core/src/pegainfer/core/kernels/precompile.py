@@ -186,13 +186,15 @@ class StepBounds:
     max_num_seqs: int
     graph_buckets: tuple[int, ...] = ()
     decode_attention_tensor_cores: str = "auto"
+    small_batch_gemv: bool = False
 
     def runtime(self) -> RuntimeConfig:
         """A runtime within these bounds, for a model whose steps are only recorded (its
         sequences no longer than a step's budget)."""
         return RuntimeConfig(self.block_size, self.max_num_batched_tokens,
                              self.max_num_batched_tokens, self.max_num_seqs, self.graph_buckets,
-                             self.decode_attention_tensor_cores)  # fmt: skip
+                             self.decode_attention_tensor_cores,
+                             self.small_batch_gemv)  # fmt: skip
 
     def token_counts(self, extra: frozenset[int] = frozenset()) -> list[int]:
         """Token counts of steps that together make every specialization on a step's size:
