@@ -65,8 +65,8 @@ class Glm5MTP(MTPLayer):
                                     target.data_parallel, target.scheme, name)  # fmt: skip
         self.enorm = empty_param(h)
         self.hnorm = empty_param(h)
-        # Unquantized in every checkpoint (vLLM builds a plain nn.Linear, the head a
-        # ParallelLMHead): a quantized checkpoint's scales for them are refused by the loader.
+        # Unquantized, as vLLM builds them (a plain nn.Linear, the head a ParallelLMHead): a
+        # checkpoint that stores scales for them is refused by the loader, by name.
         self.eh_proj = empty_param(h, 2 * h)
         self.shared_head_norm = empty_param(h)
         self.shared_head_head = empty_param(target.embed_tokens.shape[0], h)
