@@ -14,6 +14,8 @@ from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.engine.messages import EngineRequest
 from pegainfer.core.sampling.sampling_params import SamplingParams
 from pegainfer.core.speculative.drafter import Drafter, DraftInputs, Drafts
+from pegainfer.core.speculative.mtp import MTPDrafter
+from tests.engine_harness import make_engine
 
 
 def spoil(tokens: list[list[int]], positions: list[int], vocab: int) -> list[list[int]]:
@@ -142,3 +144,26 @@ def check_stop_string_inside_an_accepted_run(checkpoint: Path) -> None:
         expected.token_ids,
         expected.finish_reason,
     )
+
+
+def random_prompts(seed: int, lengths: tuple[int, ...], *, vocab: int) -> list[list[int]]:
+    """Prompts of `lengths` tokens drawn below `vocab`, the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def mtp_oracle_engine(
+    path: Path,
+    k: int,
+    sequences: dict[str, list[int]],
+    spoil: bool = True,
+    *,
+    vocab: int,
+    **overrides,
+) -> EngineCore:
+    """An engine built with its line's MTP drafter, whose drafts are then plain decoding's
+    `sequences`, spoiled at some positions (with tokens of `vocab`) unless `spoil` is False."""
+    engine = make_engine(path, speculative_tokens=k, **overrides)
+    assert isinstance(engine.speculative.drafter, MTPDrafter)
+    engine.speculative.drafter = OracleDrafter(k, sequences, vocab if spoil else 0)
+    return engine

@@ -8,6 +8,7 @@ from none to all); sampled output follows the model's distribution (chi-square).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,18 +17,18 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pegainfer import SamplingParams
-from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.speculative.drafter import Drafter, DraftInputs, Drafts
 from pegainfer.core.speculative.mtp import MTPDrafter
 from pegainfer.models.glm5.line import Glm5Line
 from tests.engine_harness import drain, generate, greedy, make_engine, submit
 from tests.glm5.hf_reference import VOCAB, load_hf, write_hf_checkpoint
 from tests.speculative_harness import (
-    OracleDrafter,
     check_preemption_and_stops,
     check_stop_string_inside_an_accepted_run,
     chi_square,
     chi_square_999,
+    mtp_oracle_engine,
+    random_prompts,
     sequences_of,
 )
 
@@ -42,19 +43,8 @@ def path(tmp_path_factory) -> Path:
     return write_hf_checkpoint(folder, seed=4, mtp=True, **LAYERS)
 
 
-def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def oracle_engine(
-    path: Path, k: int, sequences: dict[str, list[int]], spoil: bool = True, **overrides
-) -> EngineCore:
-    """An engine whose drafts are plain decoding's `sequences`, spoiled at some positions."""
-    engine = make_engine(path, speculative_tokens=k, **overrides)
-    assert isinstance(engine.speculative.drafter, MTPDrafter)
-    engine.speculative.drafter = OracleDrafter(k, sequences, VOCAB if spoil else 0)
-    return engine
+prompts = partial(random_prompts, vocab=VOCAB)
+oracle_engine = partial(mtp_oracle_engine, vocab=VOCAB)
 
 
 class MTPReference:

@@ -7,17 +7,21 @@ output and spoils some of it (acceptance from none to all, at every draft index)
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.errors import ConfigError
-from pegainfer.core.speculative.mtp import MTPDrafter
 from pegainfer.models.qwen35.line import Qwen35Line
 from tests.engine_harness import generate, greedy, make_engine, submit
-from tests.speculative_harness import OracleDrafter, check_preemption_and_stops, sequences_of
+from tests.speculative_harness import (
+    check_preemption_and_stops,
+    mtp_oracle_engine,
+    random_prompts,
+    sequences_of,
+)
 
 VOCAB = 1000  # prompt ids are drawn below this (the tiny tokenizer's vocabulary is larger)
 
@@ -29,19 +33,8 @@ def path(tmp_path_factory) -> Path:
     return path
 
 
-def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def oracle_engine(
-    path: Path, k: int, sequences: dict[str, list[int]], spoil: bool = True, **overrides
-) -> EngineCore:
-    """An engine whose drafts are plain decoding's `sequences`, spoiled at some positions."""
-    engine = make_engine(path, speculative_tokens=k, **overrides)
-    assert isinstance(engine.speculative.drafter, MTPDrafter)
-    engine.speculative.drafter = OracleDrafter(k, sequences, VOCAB if spoil else 0)
-    return engine
+prompts = partial(random_prompts, vocab=VOCAB)
+oracle_engine = partial(mtp_oracle_engine, vocab=VOCAB)
 
 
 @pytest.mark.parametrize("k", [1, 3])
