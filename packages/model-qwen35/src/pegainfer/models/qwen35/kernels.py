@@ -385,7 +385,6 @@ def _decode_kernel(
     q, q0, q1, q2 = _conv_token(row, conv_w_ptr, window, q_cols)
     k, k0, k1, k2 = _conv_token(row, conv_w_ptr, window, k_cols)
     v, v0, v1, v2 = _conv_token(row, conv_w_ptr, window, v_cols)
-    _store_window(window, v_cols, v0, v1, v2, vs < DV)
     # The delta rule, as `ops.recurrent_gated_delta_rule` (q and k L2-normalised in float32).
     qf = q.to(tl.float32)
     kf = k.to(tl.float32)
@@ -398,7 +397,12 @@ def _decode_kernel(
     tl.store(state, s)
     out_row = out_ptr + t * stride_out
     tl.store(out_row + hv * DV + vs, tl.sum(s * qf[:, None], axis=0).to(q.dtype))
-    tl.debug_barrier()  # every thread of the program has read the windows, stored its outputs
+    # Every thread of the program has read the windows and stored its outputs. The block's
+    # own v window moves only now: a [BV] vector is held by every warp (BV < the program's
+    # threads), one copy stores it, and a warp still to load the old window must not see the
+    # new one (on the H200 that race left states and outputs wrong and the windows right).
+    tl.debug_barrier()
+    _store_window(window, v_cols, v0, v1, v2, vs < DV)
     arrival = arrivals_ptr + seq * NUM_KEY_HEADS + hk
     arrived = tl.atomic_add(arrival, 1, sem="acq_rel")
     last_k = (arrived + tl.zeros_like(ks)) == GROUP * (DV // BV) - 1  # all or none
