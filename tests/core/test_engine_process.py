@@ -4,6 +4,7 @@ as the thread-mode loop."""
 from __future__ import annotations
 
 import json
+import logging
 import queue
 
 import pytest
@@ -16,6 +17,7 @@ from pegainfer.core.engine.process import EngineProcess, EngineStartError
 from pegainfer.core.errors import ModelLineError
 from pegainfer.core.sampling.sampling_params import SamplingParams
 from pegainfer.models.qwen3.line import Qwen3Line
+from pegainfer.server.bench.startup import phases
 from tests.engine_harness import generate, greedy
 
 DEADLINE_S = 60.0
@@ -97,3 +99,22 @@ def test_a_dead_engine_process_fails_the_requests_in_flight(model_dir):
         assert not process.alive
     finally:
         process.shutdown()
+
+
+def test_the_engine_process_logs_its_start_from_its_first_line(model_dir, caplog, capfd):
+    """Its start-up log covers the process from its first line: the phases before the engine
+    loads (the imports) come first, in order, as `pegainfer-bench startup` reads them."""
+    caplog.set_level(logging.INFO)  # the engine process logs at this process's level
+    process = EngineProcess.spawn(engine_args(model_dir))
+    try:
+        process.wait_ready()
+    finally:
+        process.shutdown()
+    logged = phases(capfd.readouterr().err)
+    names = [phase["phase"] for phase in logged]
+    first = ["engine process started", "torch imported", "engine imported", "model loaded"]
+    assert [name for name in names if name in first] == first, names
+    assert names[-1] == "engine ready"
+    seconds = [phase["s"] for phase in logged]
+    assert seconds == sorted(seconds)
+    assert 0 < seconds[0] < seconds[-1]

@@ -216,9 +216,16 @@ def check_parallel(args: EngineArgs, device: torch.device, local_world: int) -> 
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, lines: list[ModelLine] | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        lines: list[ModelLine] | None = None,
+        startup: StartupLog | None = None,
+    ) -> None:
+        """Load `args`' model and get it ready to serve; `startup` is the process's start-up
+        log if it began one before (the engine process: its imports), else one starts here."""
         args.validate()
-        self._startup = StartupLog(logger)
+        self._startup = startup or StartupLog(logger)
         source, spec, nodes = plan_ranks(args, lines)
         if nodes.node_rank != 0:
             raise ConfigError(
@@ -228,16 +235,16 @@ class EngineCore:
         device = torch.device(spec.device)
         # The attention backends' library imports while the weights load (`_set_up` waits).
         self._backend_import = (
-            _import_in_background("flashinfer") if device.type == "cuda" else None
+            _import_in_background("flashinfer", self._startup) if device.type == "cuda" else None
         )
         logger.info("Loading %s with model line %r on %s in %s", source.model_dir,
                     source.line.name, spec.device, spec.dtype)  # fmt: skip
         # The kernels compile (spawned processes, a thread) while the weights load.
-        self.precompile: Precompile | None = (
-            _start_precompile(args, source.line, spec.context(device, 0, nodes.world))
-            if device.type == "cuda"
-            else None
-        )
+        self.precompile: Precompile | None = None
+        if device.type == "cuda":
+            self.precompile = _start_precompile(args, source.line,
+                                                spec.context(device, 0, nodes.world))  # fmt: skip
+            self._startup.mark("model line imported, kernel plan started")
         self.ranks: TensorParallelRanks | None = None
         self.runner: ModelRunner | None = None  # once the model is built
         #: One KV-event publisher per attention rank, with its rank's block manager.
@@ -932,13 +939,15 @@ def _start_precompile(
     return Precompile.start(plan, bounds, context.device, inputs)
 
 
-def _import_in_background(module: str) -> threading.Thread:
+def _import_in_background(module: str, startup: StartupLog) -> threading.Thread:
     """Import `module` on a thread of its own (an import of it elsewhere meanwhile waits for
-    this one: the import lock); a failure is left to that later import to raise."""
+    this one: the import lock), marked in the start-up log when done; a failure is left to
+    that later import to raise."""
 
     def run() -> None:
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
+            startup.mark(f"{module} imported (on a thread)")
 
     thread = threading.Thread(target=run, name=f"pegainfer-import-{module}", daemon=True)
     thread.start()

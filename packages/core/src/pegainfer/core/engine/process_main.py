@@ -20,20 +20,20 @@ from pegainfer.core.engine.loop import EngineLoop
 from pegainfer.core.engine.messages import Shutdown
 from pegainfer.core.engine.process import PipeWriter, Started, encode_started
 from pegainfer.core.errors import PegainferError
-from pegainfer.core.process_info import exit_with_parent
+from pegainfer.core.process_info import StartupLog, exit_with_parent
 
 logger = logging.getLogger(__name__)
 
 
 def engine_main(
-    args: EngineArgs, inbox: Connection, outbox: Connection, log_level: int, log_format: str
+    args: EngineArgs, inbox: Connection, outbox: Connection, startup: StartupLog
 ) -> None:
-    """The engine process: load, report, then run the loop until Shutdown or the server ends."""
+    """The engine process (logging set up, its start-up log begun): load, report, then run
+    the loop until Shutdown or the server ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=log_format)
     threading.Thread(target=exit_with_parent, daemon=True, name="pegainfer-parent").start()
     try:
-        engine = EngineCore(args)
+        engine = EngineCore(args, startup=startup)
     except Exception as exc:
         if not isinstance(exc, PegainferError):
             logger.exception("the engine failed to start")

@@ -63,11 +63,31 @@ def spawn_engine(args: EngineArgs, log_format: str = logging.BASIC_FORMAT) -> Sp
 def _main(
     args: EngineArgs, inbox: Connection, outbox: Connection, log_level: int, log_format: str
 ) -> None:
-    """The engine process's entry point: the checkpoint is read ahead while it imports."""
+    """The engine process's entry point. What needs no torch starts first, beside its import:
+    the checkpoint is read ahead into the page cache and the CUDA context is created on
+    threads. The start-up log's first lines say when this process began, when torch and the
+    engine were imported and when the context was ready."""
+    from pegainfer.core.engine.early_cuda import start_primary_context
     from pegainfer.core.loading.prefetch import prefetch_checkpoint
+    from pegainfer.core.process_info import StartupLog
 
+    logging.basicConfig(level=log_level, format=log_format)
+    startup = StartupLog(logging.getLogger("pegainfer.core.engine"))
+    startup.mark("engine process started")
     if args.load_format != "dummy":
         prefetch_checkpoint(args.model)
+
+    def context_done(failure: str | None) -> None:
+        if failure is None:
+            startup.mark("CUDA context ready (on a thread, beside the imports)")
+        else:
+            logging.getLogger(__name__).debug("no early CUDA context: %s", failure)
+
+    start_primary_context(args.device, context_done)
+    import torch  # noqa: F401  (timed here: the engine's largest import)
+
+    startup.mark("torch imported")
     from pegainfer.core.engine.process_main import engine_main
 
-    engine_main(args, inbox, outbox, log_level, log_format)
+    startup.mark("engine imported")
+    engine_main(args, inbox, outbox, startup)
