@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import ClassVar
@@ -22,6 +24,16 @@ DEFAULTS: dict[str, object] = {}
 def make_engine(path: Path, **overrides) -> EngineCore:
     args = dict(model=str(path), device="cpu", dtype="float32", max_model_len=512, block_size=4)
     return EngineCore(EngineArgs(**(args | DEFAULTS | overrides)))
+
+
+@contextlib.contextmanager
+def closing_engine(args: EngineArgs) -> Iterator[EngineCore]:
+    """An engine that is shut down on the way out, whether the block failed or not."""
+    engine = EngineCore(args)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])

@@ -159,6 +159,10 @@ def test_qwen3s_plan_with_the_small_batch_gemv_covers_its_launches(tmp_path):
     gemvs = [launch for launch in line.kernel_plan(ctx, bounds).launches()
              if launch.name == "_gemv_kernel"]  # fmt: skip
     assert {dict(launch.kwargs)["GATED"] for launch in gemvs} == {False, True}
+    # In the launch's order: Triton's in-memory key holds the options as their dict's text, so
+    # a warm-up passing num_stages before num_warps would load a kernel no step looks up.
+    options = [[k for k, _ in launch.kwargs if k.startswith("num_")] for launch in gemvs]
+    assert options == [["num_warps", "num_stages"]] * len(gemvs)
     plain = line.kernel_plan(ctx, StepBounds(16, 256, 8, (1, 2, 4, 8))).launches()
     assert all(launch.name != "_gemv_kernel" for launch in plain)
 

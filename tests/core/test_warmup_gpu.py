@@ -40,14 +40,18 @@ def write_deepseek(path: Path) -> None:
 
 
 class TritonSpecializations:
-    """Records each Triton specialization made (compiled or loaded from the disk cache)."""
+    """Records each Triton specialization this process makes (compiled, or loaded from the disk
+    cache): `made` those a launch made (it waited on the compiler), `warmed` those made by
+    `JITFunction.warmup` (the kernel plan's, loaded by `Precompile`)."""
 
     def __init__(self) -> None:
         self.made: list[str] = []
+        self.warmed: list[str] = []
 
     def __call__(self, **kwargs) -> bool:
         name = getattr(kwargs.get("fn"), "name", "?")
-        self.made.append(f"{name}: {kwargs.get('repr')}")
+        made = self.warmed if kwargs.get("is_manual_warmup") else self.made
+        made.append(f"{name}: {kwargs.get('repr')}")
         return False  # go on and make it
 
     def __enter__(self) -> TritonSpecializations:

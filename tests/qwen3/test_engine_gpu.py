@@ -45,6 +45,12 @@ def gpu_engine(path: Path, **overrides) -> EngineCore:
     return EngineCore(EngineArgs(**(args | overrides)))
 
 
+def cuda_engine(path: Path, **overrides) -> EngineCore:
+    """An engine beside the module's own: its KV pool sized in blocks, not by the memory free
+    (the module's engine took half the GPU at gpu_memory_utilization 0.5)."""
+    return gpu_engine(path, **({"num_kv_blocks": 256} | overrides))
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     import transformers
@@ -52,7 +58,9 @@ def small(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-small-gpu")
     write_gate_checkpoint(path, SMALL, SMALL_LAYER_OUT, seed=11)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    return path, gpu_engine(path), hf
+    engine = gpu_engine(path)
+    yield path, engine, hf
+    engine.shutdown()
 
 
 def test_graph_replay_equals_eager_for_the_same_batch(small):
@@ -126,7 +134,7 @@ def test_small_golden_gate_with_the_small_batch_gemv(small):
     import transformers
 
     path, _, hf = small
-    engine = gpu_engine(path, small_batch_gemv=True)
+    engine = cuda_engine(path, small_batch_gemv=True)
     cases = make_cases(9, vocab=1000, max_prompt=200, decode=8, seed=0)
     hf32 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     refs16 = [reference_logprobs(hf, c) for c in cases]
@@ -161,7 +169,7 @@ def test_golden_gate_at_qwen3_4b_shapes(real_shapes):
     import transformers
 
     path, hf = real_shapes
-    engine = gpu_engine(path, max_model_len=4096, gpu_memory_utilization=0.6)
+    engine = cuda_engine(path, max_model_len=4096, num_kv_blocks=2048)
     cases = make_cases(48, vocab=151936, max_prompt=256, decode=10, seed=0)
     refs = [reference_logprobs(hf, c) for c in cases]
     hf32 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
@@ -185,11 +193,6 @@ def test_golden_gate_at_qwen3_4b_shapes(real_shapes):
     print(json.dumps(judge(passes, refs, refs32, Path(out) if out else None), indent=2))
 
 
-def cuda_engine(path: Path, **overrides) -> EngineCore:
-    """An engine beside the module's own: its KV pool sized in blocks, not by free memory."""
-    return gpu_engine(path, num_kv_blocks=256, **overrides)
-
-
 def test_async_scheduling_on_cuda_matches_step_by_step(small):
     """Graph replays fed device to device from the previous step's tokens give the same tokens
     as the step-by-step engine (same batches, same kernels)."""
@@ -208,8 +211,8 @@ def test_kv_offload_restores_on_cuda(small):
     from tests.engine_harness import drain, greedy, submit
 
     path, _, _ = small
-    engine = gpu_engine(path, num_kv_blocks=24, block_size=16, kv_offload=True,
-                        kv_offload_gib=0.05, max_model_len=256)  # fmt: skip
+    engine = cuda_engine(path, num_kv_blocks=24, block_size=16, kv_offload=True,
+                         kv_offload_gib=0.05, max_model_len=256)  # fmt: skip
     prompts = {name: [(7 * i + k) % 1000 for k in range(150)] for i, name in enumerate("pqr")}
     first = {}
     for name, tokens in prompts.items():

@@ -238,3 +238,19 @@ def test_tiny_cli_will_not_replace_a_folder_that_holds_no_checkpoint(tmp_path, c
     assert tiny_main(["qwen3", str(tmp_path)]) == 2
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_close_drops_the_engine_and_refuses_to_generate(tiny):
+    """`close` (also the context manager's exit) leaves nothing holding the engine, so its
+    weights and cache go (on CUDA: tests/core/test_engine_memory_gpu.py); a closed LLM says so."""
+    import gc
+    import weakref
+
+    with LLM(str(tiny), max_model_len=64, block_size=8, device="cpu") as llm:
+        assert llm.generate("hi", SamplingParams(max_tokens=2))[0].finish_reason == "length"
+        engine, model = weakref.ref(llm.engine), weakref.ref(llm.engine.model)
+    gc.collect()
+    assert engine() is None and model() is None
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("hi", SamplingParams(max_tokens=2))
+    llm.close()  # idempotent

@@ -95,6 +95,12 @@ def gpu_engine(path: Path, **overrides) -> EngineCore:
     return EngineCore(EngineArgs(**(args | overrides)))
 
 
+def cuda_engine(path: Path, **overrides) -> EngineCore:
+    """An engine beside the module's own: its KV pool sized in blocks, not by the memory free
+    (the module's engine took half the GPU at gpu_memory_utilization 0.5)."""
+    return gpu_engine(path, **({"num_kv_blocks": 512} | overrides))
+
+
 def hf_model(path: Path, dtype: torch.dtype):
     import transformers
 
@@ -129,7 +135,9 @@ def test_prefill_chunks_and_decode_match_transformers_bf16(tmp_path):
 def small(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen35-small-gpu")
     write_gate_checkpoint(path, SMALL, SMALL_LAYER_OUT, seed=11)
-    return path, gpu_engine(path), hf_model(path, torch.bfloat16)
+    engine = gpu_engine(path)
+    yield path, engine, hf_model(path, torch.bfloat16)
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +148,10 @@ def small_fused(small):
     path, _, hf = small
     with pytest.MonkeyPatch.context() as env:
         env.setenv(FUSED_DECODE_ENV, "1")
-        engine = gpu_engine(path)
+        engine = cuda_engine(path)
     assert engine.model._arrivals is not None
-    return path, engine, hf
+    yield path, engine, hf
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("engine_fixture", ["small", "small_fused"])
@@ -210,9 +219,7 @@ def test_prefix_cache_hit_on_cuda_gives_the_cold_tokens(small):
     second = first + [(5 * k + 1) % 1000 for k in range(77)]
     outputs = []
     for caching in (True, False):
-        engine = gpu_engine(
-            path, num_kv_blocks=256, max_model_len=1024, enable_prefix_caching=caching
-        )
+        engine = cuda_engine(path, max_model_len=1024, enable_prefix_caching=caching)
         generate(engine, [first], greedy(8))
         outputs.append(generate(engine, [second], greedy(16)))
         if caching:
@@ -243,7 +250,7 @@ def test_golden_gate_at_qwen35_4b_shapes(real_shapes):
     refs32 = [reference_logprobs(hf32, c) for c in [*cases, long]]
     del hf32
     torch.cuda.empty_cache()
-    engine = gpu_engine(path, gpu_memory_utilization=0.6)
+    engine = cuda_engine(path, num_kv_blocks=2048)
     forcer = TeacherForcer(engine)
     passes = real_shape_gate_passes(forcer, cases)
     long_pass = {"prompt_4500": forcer.run([long])}

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
@@ -38,10 +41,36 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine = EngineCore(EngineArgs(model=model, **engine_args))
-        self.frontend = Frontend.for_engine(self.engine.config)
+        self._engine: EngineCore | None = EngineCore(EngineArgs(model=model, **engine_args))
+        self.frontend = Frontend.for_engine(self._engine.config)
         self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> EngineCore:
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed")
+        return self._engine
+
+    def close(self) -> None:
+        """Shut the engine down and give its device memory back (weights, KV cache, graphs),
+        so that another engine can be built in this process at the same
+        gpu_memory_utilization. Idempotent; the LLM is unusable afterwards."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        cuda = torch.device(engine.config.device).type == "cuda"
+        engine.shutdown()
+        del engine
+        gc.collect()  # the engine's reference cycles (callbacks, threads' targets)
+        if cuda:
+            torch.cuda.empty_cache()  # the cached blocks, back to the driver for the next one
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (what `params=None` uses)."""

@@ -535,20 +535,21 @@ class EngineCore:
             self.ranks.check()
 
     def shutdown(self) -> None:
-        """Stop the parallel workers, if any, and the KV-event publishers (the engine is
-        unusable afterwards)."""
+        """Stop the parallel workers, if any, and the KV-event publishers, and drop the CUDA
+        graphs with their private memory pools (the engine is unusable afterwards). The
+        weights and the KV cache go with the engine object: a process that builds another
+        engine drops this one (`LLM.close`)."""
         if self.precompile is not None:  # a start that failed while compiling
             self.precompile.cancel()
         for publisher, _ in self.kv_events:
             publisher.close()
         self.kv_events = []
-        if self.ranks is None:
-            return
         # Graphs hold captured collectives: they go before the communicator does.
         if self.runner is not None:
             self.runner.release_graphs()
         gc.collect()
-        self.ranks.shutdown()
+        if self.ranks is not None:
+            self.ranks.shutdown()
 
     def _default_num_blocks(
         self,

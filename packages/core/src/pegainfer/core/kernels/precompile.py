@@ -95,7 +95,7 @@ def _arg(value: Any) -> Any:
 class KernelLaunch:
     """One Triton launch, without its grid: the kernel (by module and name, so a spawned
     process finds it), its arguments (tensors as `TensorArg`) and its keyword arguments
-    (constexprs, num_warps, num_stages)."""
+    (constexprs, num_warps, num_stages) in the order the launch passed them."""
 
     module: str
     name: str
@@ -142,8 +142,11 @@ def record_launches() -> Iterator[list[KernelLaunch]]:
     def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         if warmup or threading.get_ident() != owner:
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        # The keyword arguments in the call's order: the options among them (num_warps,
+        # num_stages) are in Triton's in-memory cache key as the text of their dict, so a
+        # warm-up that passed them in another order would load a kernel no step finds.
         launch = KernelLaunch(self.fn.__module__, self.fn.__name__, tuple(map(_arg, args)),
-                              tuple(sorted((k, _arg(v)) for k, v in kwargs.items())))  # fmt: skip
+                              tuple((k, _arg(v)) for k, v in kwargs.items()))  # fmt: skip
         launches.setdefault(launch.key(), launch)
         return None
 
