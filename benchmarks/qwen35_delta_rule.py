@@ -13,9 +13,10 @@ For each decode case (1, 16 or 64 one-token sequences: a decode step's DeltaNet 
 as decode steps run it, in a CUDA graph (`graph_time`: the kernels captured 50 times, the
 replay's time divided by 50, so the host's launch cost is out and the gaps between kernels are
 in): the three kernels of the default path (conv, recurrent rule, gated norm) against the fused
-decode kernel (`kernels.decode_gated_delta_net`, opt-in) at 2, 4 (its default) and 8 warps,
-beside its byte limit (its states, conv windows, projection rows and outputs read or written
-once, at the copy bandwidth measured here).
+decode kernel (`kernels.decode_gated_delta_net`, opt-in) at each launch of DECODE_LAUNCHES
+(value columns per program and warps: blocks of part of a head, whose last program normalises,
+and of a whole head), the fastest named, beside its byte limit (its states, conv windows,
+projection rows and outputs read or written once, at the copy bandwidth measured here).
 """
 
 from __future__ import annotations
@@ -45,8 +46,13 @@ CASES = {
     "decode_64_beside_1k": [1] * 64 + [1024],
 }
 DECODE_CASES = {"decode_1": 1, "decode_16": 16, "decode_64": 64}
-DECODE_WARPS = (2, 4, 8)
+DECODE_LAUNCHES = [
+    kernels.DecodeLaunch(block, warps)
+    for block, warps in [(8, 1), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4),
+                         (64, 8), (128, 4), (128, 8)]
+]  # fmt: skip
 DEFAULT = kernels.ChunkLaunch()
+DEFAULT_DECODE = dataclasses.astuple(kernels.DecodeLaunch())
 SWEEP = [
     DEFAULT,
     *(kernels.ChunkLaunch(state_block=b, state_warps=w) for b in (16, 32, 64) for w in (4, 8)),
@@ -151,15 +157,19 @@ def run_decode_case(seqs: int, device: torch.device, bandwidth: float) -> dict:
         kernels.gated_rms_norm(out, z, norm, 1e-6)
 
     result: dict = {"sequences": seqs, "three_kernels_us": 1e6 * graph_time(three_kernels)}
-    for warps in DECODE_WARPS:
+    fused_us = {}
+    for launch in DECODE_LAUNCHES:
 
-        def fused(warps: int = warps) -> None:
+        def fused(launch: kernels.DecodeLaunch = launch) -> None:
             kernels.decode_gated_delta_net(
                 proj, conv_weight, conv_states, a_log, dt_bias, norm, 1e-6, states, slots,
-                arrivals, SHAPE, num_warps=warps,
+                arrivals, SHAPE, launch,
             )  # fmt: skip
 
-        result[f"fused_{warps}_warps_us"] = 1e6 * graph_time(fused)
+        fused_us[f"block_{launch.block}_warps_{launch.num_warps}"] = 1e6 * graph_time(fused)
+    result["fused_us"] = fused_us
+    result["fused_default_us"] = fused_us["block_{}_warps_{}".format(*DEFAULT_DECODE)]
+    result["fused_fastest"] = min(fused_us, key=fused_us.__getitem__)
     state_bytes = 2 * seqs * (states[0].numel() + channels * 3) * 4
     result["fused_limit_us"] = 1e6 * (state_bytes + 2 * proj.numel() + 2 * z.numel()) / bandwidth
     return result

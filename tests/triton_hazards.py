@@ -32,22 +32,37 @@ _TENSOR = re.compile(r"tensor<([\dx]+)x!tt\.ptr<\w+>, #(\w+)>")
 
 def compile_ttgir(
     fn: Any,
-    signature: Mapping[str, str],
+    args: Mapping[str, str | int],
     constants: Mapping[str, Any],
     num_warps: int,
     arch: int = 90,
 ) -> str:
-    """The TTGIR of `fn` (a @triton.jit function) compiled for NVIDIA sm_`arch`, with the
-    Triton types of its runtime arguments (`signature`: "*bf16", "i32", "fp32", ...) and the
-    values of its constexprs."""
+    """The TTGIR of `fn` (a @triton.jit function) compiled for NVIDIA sm_`arch` as a launch
+    would specialize it: `args` gives each runtime argument's Triton type ("*bf16", "fp32") or,
+    for an integer, its value (i32, marked divisible by 16 where it is); pointers count as
+    16-byte aligned unless `fn` declines to specialize them on alignment. The layouts Triton
+    picks follow from these (a vector load needs the alignment)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(fn.arg_names)
-    types = {name: "constexpr" if name in constants else signature[name] for name in names}
+    unaligned = set(fn.do_not_specialize_on_alignment or ())
+    types, attrs = {}, {}
+    for index, name in enumerate(names):
+        arg = constants.get(name, args.get(name))
+        if name in constants:
+            types[name] = "constexpr"
+        elif isinstance(arg, int):
+            types[name] = "i32"
+            divisible = arg % 16 == 0
+        else:
+            types[name] = arg
+            divisible = arg.startswith("*") and name not in unaligned and index not in unaligned
+        if name not in constants and divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
     values = {(names.index(name),): value for name, value in constants.items()}
-    source = ASTSource(fn, types, constexprs=values)
+    source = ASTSource(fn, types, constexprs=values, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     return triton.compile(source, target=target, options={"num_warps": num_warps}).asm["ttgir"]
 

@@ -4,10 +4,15 @@ one sequence at a time, and the kernels' relative errors against it."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from pegainfer.models.qwen35 import ops
+
+if TYPE_CHECKING:
+    from pegainfer.models.qwen35.kernels import DecodeLaunch
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -52,13 +57,14 @@ def decode_errors(
     dtype: torch.dtype,
     device: str,
     steps: int = 2,
+    launch: DecodeLaunch | None = None,
 ) -> dict[str, float]:
     """`steps` launches of the fused decode kernel over `seqs` one-token sequences in shuffled
     slots (nonzero conv windows and states, as after earlier steps) against the reference
     conv, delta rule and gated norm run one sequence at a time: the largest relative error of
     the outputs, of the conv windows and of the states over the steps, and `arrivals`, the
-    counters left nonzero."""
-    from pegainfer.models.qwen35.kernels import DeltaNetShape, decode_gated_delta_net
+    counters left nonzero. `launch`: the kernel's `DecodeLaunch` (default: its default)."""
+    from pegainfer.models.qwen35.kernels import DecodeLaunch, DeltaNetShape, decode_gated_delta_net
 
     shape = DeltaNetShape(key_heads, value_heads, dim, dim)
     channels, num_slots = shape.conv_channels, seqs + 2
@@ -80,7 +86,7 @@ def decode_errors(
         z = proj[:, channels : channels + value_heads * dim].view(seqs, value_heads, dim)
         out = decode_gated_delta_net(
             proj, conv_weight, conv_states, a_log, dt_bias, norm_weight, 1e-6, states, slots,
-            arrivals, shape,
+            arrivals, shape, launch or DecodeLaunch(),
         )  # fmt: skip
         ref = torch.empty_like(out)
         for i, slot in enumerate(slots.tolist()):

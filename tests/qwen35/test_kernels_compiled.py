@@ -32,20 +32,32 @@ def test_hazard_check_sees_an_unfenced_overwrite():
 
 
 @pytest.mark.parametrize(
-    ("key_heads", "value_heads", "dim", "dtype", "num_warps"),
-    [(16, 32, 128, "bf16", 4), (16, 32, 128, "bf16", 8), (2, 4, 64, "fp32", 2)],
+    ("key_heads", "value_heads", "dim", "dtype", "block", "num_warps"),
+    [
+        (16, 32, 128, "bf16", 32, 4),  # Qwen3.5-4B at the default launch
+        (16, 32, 128, "bf16", 16, 2),
+        (16, 32, 128, "bf16", 128, 8),  # a whole head per program
+        (2, 4, 64, "fp32", 64, 4),
+        (2, 2, 64, "fp32", 8, 1),
+    ],
 )
-def test_decode_kernel_overwrites_nothing_unfenced(key_heads, value_heads, dim, dtype, num_warps):
-    from pegainfer.models.qwen35.kernels import DECODE_BLOCK, _decode_kernel
+def test_decode_kernel_overwrites_nothing_unfenced(
+    key_heads, value_heads, dim, dtype, block, num_warps
+):
+    from pegainfer.models.qwen35.kernels import DeltaNetShape, _decode_kernel
 
-    pointers = {"conv_state_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i32",
-                "arrivals_ptr": "*i32"}  # fmt: skip
-    signature = {name: pointers.get(name, f"*{dtype}") for name in _decode_kernel.arg_names
-                 if name.endswith("_ptr")}  # fmt: skip
-    signature |= {name: "fp32" for name in ("scale", "eps")}
+    shape = DeltaNetShape(key_heads, value_heads, dim, dim)
+    channels, width = shape.conv_channels, shape.conv_channels + value_heads * dim + 2 * value_heads
+    args: dict[str, str | int] = {
+        name: f"*{dtype}" for name in _decode_kernel.arg_names if name.endswith("_ptr")
+    }
+    args |= {"conv_state_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i32",
+             "arrivals_ptr": "*i32", "scale": "fp32", "eps": "fp32"}  # fmt: skip
+    args |= {"stride_proj": width, "z_col": channels, "a_col": width - value_heads,
+             "b_col": width - 2 * value_heads, "stride_conv_slot": 3 * channels,
+             "stride_state_slot": value_heads * dim * dim,
+             "stride_out": value_heads * dim}  # fmt: skip
     constants = {"NUM_KEY_HEADS": key_heads, "GROUP": value_heads // key_heads, "DK": dim,
-                 "DV": dim, "BV": min(dim, DECODE_BLOCK)}  # fmt: skip
-    for name in _decode_kernel.arg_names:
-        signature.setdefault(name, "i32")
-    ttgir = compile_ttgir(_decode_kernel, signature, constants, num_warps)
+                 "DV": dim, "BV": block}  # fmt: skip
+    ttgir = compile_ttgir(_decode_kernel, args, constants, num_warps)
     assert in_place_hazards(ttgir) == []

@@ -117,6 +117,27 @@ def test_decode_gated_delta_net(dtype, key_heads, value_heads, dim, seqs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
+    ("block", "num_warps"), [(8, 1), (16, 2), (16, 4), (32, 8), (64, 4), (128, 4), (128, 8)]
+)
+@pytest.mark.parametrize(
+    ("key_heads", "value_heads", "seqs"), [(16, 32, 1), (16, 32, 16), (4, 4, 3)]
+)
+def test_decode_gated_delta_net_launches(dtype, block, num_warps, key_heads, value_heads, seqs):
+    """The fused decode kernel at each launch `benchmarks/qwen35_delta_rule.py` times: value
+    blocks of part of a head (the last program normalises) and of a whole head (each program
+    normalises its own), at Qwen3.5-4B's heads and at groups of one."""
+    from pegainfer.models.qwen35.kernels import DecodeLaunch
+
+    launch = DecodeLaunch(block, num_warps)
+    errors = decode_errors(seqs, key_heads, value_heads, 128, dtype, "cuda", launch=launch)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert errors["out"] < tol, errors
+    assert errors["conv"] < 1e-6 and errors["state"] < 1e-5, errors
+    assert errors["arrivals"] == 0, errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
     ("lengths", "snapshots", "key_heads", "value_heads", "dim"),
     [
         ([150, 1, 64, 7], [None, None, None, None], 2, 4, 64),

@@ -10,8 +10,9 @@ state in place in its slot of the layer's state arena.
   leaves the window at a checkpoint).
 - `recurrent_gated_delta_rule`: one-token sequences (a decode step, captured in CUDA graphs,
   and the decodes of a mixed step).
-- `decode_gated_delta_net` (opt-in, not yet timed on a GPU: `model.FUSED_DECODE_ENV`): a decode
-  step's conv, recurrent step and gated norm in one launch.
+- `decode_gated_delta_net` (opt-in until the H200 has timed it: `model.FUSED_DECODE_ENV`): a
+  decode step's conv, recurrent step and gated norm in one launch, each state and conv window
+  read once and written once in place; `DecodeLaunch` sets its split of a value head.
 - `gated_rms_norm`: the DeltaNet's output norm, gated by SiLU(z) (reference: `ops.gated_rms_norm`).
 - `chunked_gated_delta_rule`: longer chunks, by flash-linear-attention's chunk algorithm in three
   launches: per 64-token chunk and value head, the chunk's unit-triangular system is inverted by
@@ -287,9 +288,20 @@ def recurrent_gated_delta_rule(
     return out
 
 
-#: Value columns per `_decode_kernel` program, and its warps: the recurrent kernel's.
-DECODE_BLOCK = 32
-DECODE_WARPS = 4
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch parameters of the fused decode kernel (`benchmarks/qwen35_delta_rule.py` times
+    them): the value columns of one program's state block (a power of two dividing dv, at most
+    dv) and its warps.
+
+    A block of the whole dv (one program per value head) normalises its own outputs and only
+    waits on its key head's other value heads to move the q/k windows; a smaller block spreads
+    the state over more programs (at batch 1, 32 value heads in blocks of 32 are 128 programs
+    for the H200's 132 SMs) and the last program of a key head normalises its heads' outputs.
+    """
+
+    block: int = 32
+    num_warps: int = 4
 
 
 @triton.jit
@@ -357,16 +369,20 @@ def _decode_kernel(
 ):
     """A block of BV value columns of one value head of sequence (row) i: the conv of the
     head's q and k channels and of the block's v channels, the delta-rule step on the block's
-    [dk, BV] state (as `_recurrent_kernel`), its output stored unnormalised; then the gated
-    norm, which needs a head's whole dv, by whichever program of the key head comes last.
+    [dk, BV] state (as `_recurrent_kernel`), and the gated norm, which needs a head's whole dv.
 
     All GROUP * dv/BV programs of a key head convolve its q and k channels, so their windows
-    may only move once every one of them has read them, and a head's outputs may only be
-    normalised once all its blocks are stored: each program counts itself in `arrivals` (per
-    sequence and key head) after reading the windows and storing its outputs, and the last to
-    arrive moves the q/k windows, normalises the key head's GROUP value heads in place and
-    resets the count for the next launch. No program waits on another; a block's v channels
-    and state are its own."""
+    may only move once every one of them has read them: each program counts itself in
+    `arrivals` (per sequence and key head) and the last to arrive moves them and resets the
+    count for the next launch. A program holding a whole head (BV == dv) counts itself as soon
+    as it has read the windows, so the atomic's round trip overlaps its state's update, and
+    normalises its own outputs. Smaller blocks store their outputs unnormalised and count
+    themselves after that, and the last to arrive also normalises the key head's GROUP value
+    heads in place. No program waits on another; a block's v channels and state are its own.
+
+    Every window moves after a barrier: a vector with fewer elements than the program has
+    threads is held by several of them and stored by one, which must not overwrite what
+    another has yet to read (`tests/qwen35/test_kernels_compiled.py`)."""
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
@@ -379,12 +395,19 @@ def _decode_kernel(
     row = proj_ptr + t * stride_proj
     window = conv_state_ptr + slot * stride_conv_slot
     key_dim: tl.constexpr = NUM_KEY_HEADS * DK
+    sharers: tl.constexpr = GROUP * (DV // BV)  # the programs that read a key head's windows
     q_cols = hk * DK + ks
     k_cols = key_dim + hk * DK + ks
     v_cols = 2 * key_dim + hv * DV + vs
     q, q0, q1, q2 = _conv_token(row, conv_w_ptr, window, q_cols)
     k, k0, k1, k2 = _conv_token(row, conv_w_ptr, window, k_cols)
     v, v0, v1, v2 = _conv_token(row, conv_w_ptr, window, v_cols)
+    arrival = arrivals_ptr + seq * NUM_KEY_HEADS + hk
+    arrived = 0
+    if BV == DV:
+        tl.debug_barrier()  # every thread of the program has read the windows
+        if sharers > 1:
+            arrived = tl.atomic_add(arrival, 1, sem="acq_rel")
     # The delta rule, as `ops.recurrent_gated_delta_rule` (q and k L2-normalised in float32).
     qf = q.to(tl.float32)
     kf = k.to(tl.float32)
@@ -396,29 +419,32 @@ def _decode_kernel(
     s = s + kf[:, None] * (beta * (v.to(tl.float32) - read))[None, :]
     tl.store(state, s)
     out_row = out_ptr + t * stride_out
-    tl.store(out_row + hv * DV + vs, tl.sum(s * qf[:, None], axis=0).to(q.dtype))
-    # Every thread of the program has read the windows and stored its outputs. The block's
-    # own v window moves only now: a [BV] vector is held by every warp (BV < the program's
-    # threads), one copy stores it, and a warp still to load the old window must not see the
-    # new one (on the H200 that race left states and outputs wrong and the windows right).
-    tl.debug_barrier()
-    _store_window(window, v_cols, v0, v1, v2, vs < DV)
-    arrival = arrivals_ptr + seq * NUM_KEY_HEADS + hk
-    arrived = tl.atomic_add(arrival, 1, sem="acq_rel")
-    last_k = (arrived + tl.zeros_like(ks)) == GROUP * (DV // BV) - 1  # all or none
-    tl.store(arrival + ks, 0, mask=last_k & (ks == 0))
+    o = tl.sum(s * qf[:, None], axis=0).to(q.dtype)
+    if BV == DV:
+        z = tl.load(row + z_col + hv * DV + vs).to(tl.float32)
+        normed = _gated_norm(o[None, :], z[None, :], tl.load(norm_w_ptr + vs), eps, DV)
+        tl.store(out_row + hv * DV + vs[None, :], normed)
+        _store_window(window, v_cols, v0, v1, v2, vs < DV)
+    else:
+        tl.store(out_row + hv * DV + vs, o)
+        tl.debug_barrier()  # every thread has read the windows and stored its outputs
+        _store_window(window, v_cols, v0, v1, v2, vs < DV)
+        arrived = tl.atomic_add(arrival, 1, sem="acq_rel")
+        ds = tl.arange(0, DV)
+        last_v = (arrived + tl.zeros_like(ds)) == sharers - 1  # all or none
+        w = tl.load(norm_w_ptr + ds)
+        for r in tl.static_range(GROUP):
+            head = hk * GROUP + r
+            # Written by other programs: read past this SM's L1, after the acquiring arrival.
+            x = tl.load(out_row + head * DV + ds, mask=last_v, other=0.0, cache_modifier=".cg")
+            z = tl.load(row + z_col + head * DV + ds, mask=last_v, other=0.0).to(tl.float32)
+            normed = _gated_norm(x[None, :], z[None, :], w, eps, DV)
+            tl.store(out_row + head * DV + ds[None, :], normed, mask=last_v[None, :])
+    last_k = (arrived + tl.zeros_like(ks)) == sharers - 1  # all or none
+    if sharers > 1:
+        tl.store(arrival + ks, 0, mask=last_k & (ks == 0))
     _store_window(window, q_cols, q0, q1, q2, last_k)
     _store_window(window, k_cols, k0, k1, k2, last_k)
-    ds = tl.arange(0, DV)
-    last_v = (arrived + tl.zeros_like(ds)) == GROUP * (DV // BV) - 1
-    w = tl.load(norm_w_ptr + ds)
-    for r in tl.static_range(GROUP):
-        head = hk * GROUP + r
-        # Written by other programs: read past this SM's L1, after the acquiring arrival.
-        x = tl.load(out_row + head * DV + ds, mask=last_v, other=0.0, cache_modifier=".cg")
-        z = tl.load(row + z_col + head * DV + ds, mask=last_v, other=0.0).to(tl.float32)
-        normed = _gated_norm(x[None, :], z[None, :], w, eps, DV)
-        tl.store(out_row + head * DV + ds[None, :], normed, mask=last_v[None, :])
 
 
 def decode_gated_delta_net(
@@ -433,7 +459,7 @@ def decode_gated_delta_net(
     slots: torch.Tensor,
     arrivals: torch.Tensor,
     shape: DeltaNetShape,
-    num_warps: int = DECODE_WARPS,
+    launch: DecodeLaunch = DecodeLaunch(),
 ) -> torch.Tensor:
     """A decode step's DeltaNet work between the layer's two projections, in one launch: the
     conv, the delta rule and the gated norm of `causal_conv1d`, `recurrent_gated_delta_rule`
@@ -442,10 +468,9 @@ def decode_gated_delta_net(
 
     Sequence i is row i of proj [T, C + Hv·dv + 2·Hv], the layer's input projection
     `[qkv | z | b | a]`, and keeps its conv window in conv_states[slots[i]] [C, 3] and its
-    state in states[slots[i]] [Hv, dk, dv] (both float32, updated in place). Returns the
-    normalised outputs [T, Hv, dv]. `arrivals` [>= T, Hk] int32 must be zero (each launch
-    leaves it so). `num_warps` per program (`benchmarks/qwen35_delta_rule.py` times the
-    alternatives).
+    state in states[slots[i]] [Hv, dk, dv] (both float32, updated in place: each read once
+    and written once). Returns the normalised outputs [T, Hv, dv]. `arrivals` [>= T, Hk] int32
+    must be zero (each launch leaves it so).
     """
     heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
     channels, tokens = shape.conv_channels, proj.shape[0]
@@ -456,14 +481,16 @@ def decode_gated_delta_net(
     assert slots.shape[0] == tokens and norm_weight.dtype == proj.dtype
     assert arrivals.dtype == torch.int32 and arrivals.shape[1] == shape.num_key_heads
     assert tokens <= arrivals.shape[0]
+    block = min(dv, launch.block)
+    if block & (block - 1) or dv % block:
+        raise ValueError(f"the decode block must be a power of two dividing dv={dv}, not {block}")
     out = torch.empty(tokens, heads, dv, dtype=proj.dtype, device=proj.device)
-    bv = min(dv, DECODE_BLOCK)
-    _decode_kernel[(tokens, heads, dv // bv)](
+    _decode_kernel[(tokens, heads, dv // block)](
         proj, conv_weight.reshape(channels, 4), conv_states, a_log, dt_bias, norm_weight,
         states, out, slots, arrivals, proj.stride(0), channels, proj.shape[1] - heads,
         proj.shape[1] - 2 * heads, conv_states.stride(0), states.stride(0), out.stride(0),
         dk**-0.5, eps, NUM_KEY_HEADS=shape.num_key_heads, GROUP=heads // shape.num_key_heads,
-        DK=dk, DV=dv, BV=bv, num_warps=num_warps,
+        DK=dk, DV=dv, BV=block, num_warps=launch.num_warps,
     )  # fmt: skip
     return out
 
