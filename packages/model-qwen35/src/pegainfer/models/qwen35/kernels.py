@@ -375,8 +375,8 @@ def _decode_kernel(
     may only move once every one of them has read them: each program counts itself in
     `arrivals` (per sequence and key head) and the last to arrive moves them and resets the
     count for the next launch. A program holding a whole head (BV == dv) counts itself as soon
-    as it has read the windows, so the atomic's round trip overlaps its state's update, and
-    normalises its own outputs. Smaller blocks store their outputs unnormalised and count
+    as it has read the windows, while its state is still loading, and normalises its own
+    outputs. Smaller blocks store their outputs unnormalised and count
     themselves after that, and the last to arrive also normalises the key head's GROUP value
     heads in place. No program waits on another; a block's v channels and state are its own.
 
