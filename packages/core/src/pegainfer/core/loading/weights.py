@@ -1,27 +1,26 @@
 """Loading safetensors checkpoints into a model's parameters.
 
 The line maps each checkpoint tensor name to a parameter and a row offset in it (so q/k/v can
-land in one fused qkv matrix); this module reads the files (sharded or not, memory-mapped),
-converts dtypes, checks shapes, and proves every parameter row was written exactly once.
-The memory maps are closed file by file, so nothing of the checkpoint stays mapped. On a GPU
-the tensors go over through page-locked staging buffers (`staging.py`).
+land in one fused qkv matrix); this module walks the files' headers (sharded or not:
+`safetensors_index.py`), checks dtypes and shapes, queues the bytes each parameter needs (only
+those: a tensor-parallel rank's rows, nothing of an unmapped tensor) and proves every
+parameter row was written exactly once. The bytes are read by several threads and go to the
+device through page-locked staging buffers (`staging.py`); dtypes convert on the device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from safetensors import SafetensorError, safe_open
-from tqdm import tqdm
 
 from pegainfer.core.errors import ConfigError, WeightLoadError
-from pegainfer.core.loading.staging import StagedCopies
+from pegainfer.core.loading.safetensors_index import StoredTensor, read_index
+from pegainfer.core.loading.staging import CheckpointCopies
 from pegainfer.core.quant.scheme import (
     INT4_SHAPE_SUFFIX,
     Int4Group,
@@ -51,13 +50,23 @@ class WeightTarget:
     rows: tuple[int, int] | None = None
     cols: tuple[int, int] | None = None
 
-    def select(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The part of the checkpoint tensor this rank keeps (a view)."""
+    def select(
+        self, name: str, shape: tuple[int, ...]
+    ) -> tuple[tuple[int, int] | None, tuple[int, int] | None, tuple[int, ...]]:
+        """The rows and columns of checkpoint tensor `name` (of `shape`) this rank keeps,
+        bounded as slices bound them, and the shape they make."""
+        rows = cols = None
         if self.rows is not None:
-            tensor = tensor[self.rows[0] : self.rows[1]]
+            if not shape:
+                raise WeightLoadError(f"checkpoint tensor {name!r} is a scalar: no rows to select")
+            kept = range(shape[0])[self.rows[0] : self.rows[1]]
+            rows, shape = (kept.start, kept.stop), (len(kept), *shape[1:])
         if self.cols is not None:
-            tensor = tensor[:, self.cols[0] : self.cols[1]]
-        return tensor
+            if len(shape) < 2:
+                raise WeightLoadError(f"checkpoint tensor {name!r} has no columns to select")
+            kept = range(shape[1])[self.cols[0] : self.cols[1]]
+            cols, shape = (kept.start, kept.stop), (shape[0], len(kept), *shape[2:])
+        return rows, cols, shape
 
 
 # A checkpoint tensor goes to one place, to several (parts of it into different rows, as a
@@ -117,17 +126,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every (name, tensor) of `files`; tensors are views of the file's memory map."""
-    for path in tqdm(files, desc="Loading weights", unit="file", disable=not progress):
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
-        except SafetensorError as exc:
-            raise WeightLoadError(f"cannot read {path}: {exc}") from exc
-
-
 def load_weights(
     params: dict[str, torch.Tensor],
     model_dir: Path,
@@ -147,17 +145,16 @@ def load_weights(
     int4_shapes = _Int4Shapes()
     devices = {param.device for param in params.values()}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-    # On a GPU through page-locked staging buffers; on the CPU straight from the map.
-    staging = StagedCopies(device) if device.type == "cuda" else contextlib.nullcontext()
-    with torch.no_grad(), staging:
-        copy = staging.copy if isinstance(staging, StagedCopies) else torch.Tensor.copy_
-        for name, full in iter_tensors(checkpoint_files(model_dir), progress):
+    stored_tensors = [t for path in checkpoint_files(model_dir) for t in read_index(path)]
+    with torch.no_grad(), CheckpointCopies(device, progress=progress) as copies:
+        for full in stored_tensors:
+            name = full.name
             module, fmt, part = _quantized_part(name, scheme)
             mapped = name_map(f"{module}.weight" if fmt is not None else name)
             targets = [mapped] if isinstance(mapped, WeightTarget) else mapped or []
             if fmt is not None and part is None:  # INT4's weight_shape: checked, not kept
                 if targets:
-                    int4_shapes.declared[module] = tuple(full.tolist())
+                    int4_shapes.declared[module] = tuple(copies.read(full).tolist())
                 continue
             for target in targets:
                 # A plain parameter: a layer the scheme's targets name but that is no linear
@@ -169,12 +166,12 @@ def load_weights(
                             f"checkpoint tensor {name!r} holds scales of a quantized weight, "
                             f"but the model built {target.param!r} unquantized"
                         )
-                    _write(params, written, name, full, target, copy)
+                    _write(params, written, full, target, copies)
                     continue
                 stored = _stored_target(params, name, full, target, fmt, part)
                 if part == fmt.parts[0] and isinstance(fmt, Int4Group):
                     int4_shapes.packed[module] = (full.shape[0], full.shape[1] * part.cols_per)
-                _write(params, written, name, full, stored, copy, part=part)
+                _write(params, written, full, stored, copies, part=part)
     _check_complete(params, written, model_dir)
     int4_shapes.check(model_dir)
 
@@ -215,7 +212,7 @@ def _quantized_part(
 def _stored_target(
     params: dict[str, torch.Tensor],
     name: str,
-    full: torch.Tensor,
+    full: StoredTensor,
     target: WeightTarget,
     fmt: WeightFormat,
     part: StoredPart,
@@ -280,14 +277,13 @@ _EXACT_INTO_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16, torch.float
 def _write(
     params: dict[str, torch.Tensor],
     written: dict[str, int],
-    name: str,
-    full: torch.Tensor,
+    full: StoredTensor,
     target: WeightTarget,
-    copy: Callable[[torch.Tensor, torch.Tensor], object],
+    copies: CheckpointCopies,
     part: StoredPart | None = None,
 ) -> None:
-    """Copy (`copy(dst, src)`) the part of checkpoint tensor `name` that `target` selects into
-    its parameter."""
+    """Queue the part of checkpoint tensor `full` that `target` selects for its parameter."""
+    name = full.name
     param = params.get(target.param)
     if param is None:
         raise WeightLoadError(
@@ -308,16 +304,16 @@ def _write(
             f"{target.param!r} unquantized: the checkpoint's quantization_config does not "
             "quantize it, or the model line does not load it quantized"
         )
-    tensor = target.select(full)
+    rows, cols, shape = target.select(name, full.shape)
     region = param
     if target.num_rows is not None:
         region = param[target.row_offset : target.row_offset + target.num_rows]
-    if tuple(region.shape) != tuple(tensor.shape):
+    if tuple(region.shape) != shape:
         raise WeightLoadError(
-            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but parameter "
+            f"checkpoint tensor {name!r} has shape {shape}, but parameter "
             f"{target.param!r} expects {tuple(region.shape)}"
         )
-    copy(region, tensor)
+    copies.copy(region, full, rows, cols)
     written[target.param] += region.shape[0] if region.dim() > 0 else 1
 
 
