@@ -37,7 +37,8 @@ def test_a_closed_engine_gives_its_gpu_memory_back(tmp_path):
     first = build_generate_close(tmp_path)  # at 0.5: a second could not fit beside it
     after_first = torch.cuda.memory_allocated()
     second = build_generate_close(tmp_path)
-    # What libraries keep once loaded (cuBLAS workspaces, FlashInfer modules) is already there
-    # after the first: the second cycle adds nothing, and finds the same memory free.
-    assert torch.cuda.memory_allocated() <= after_first
+    # The second cycle finds the same memory free and leaves no more behind than the first
+    # (what libraries keep once loaded is there after both: cuBLAS keeps a workspace per
+    # stream it ran on, a few MiB each; the engine's KV cache alone is tens of GiB).
     assert abs(second - first) <= first // 100, (first, second)
+    assert torch.cuda.memory_allocated() - after_first < 256 << 20
