@@ -79,6 +79,30 @@ def test_a_view_records_its_offset_and_the_kernel_decides_whether_it_counts():
     assert len(classes) == 3
 
 
+@pytest.mark.parametrize(("specialize", "align"), [(True, True), (True, False), (False, True)])
+def test_the_plans_key_tells_apart_exactly_what_triton_compiles_apart(specialize, align):
+    """A plan keeps one launch per key (`record_launches`): two arguments Triton specializes
+    differently must not share a key (one would go uncompiled), nor two it treats alike differ
+    (compiled twice). Checked against Triton's own specialization of each value."""
+    from itertools import combinations
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from pegainfer.core.kernels.precompile import _spec
+
+    tensors = [TensorArg(dtype, offset) for dtype, offset in
+               ((torch.bfloat16, 0), (torch.bfloat16, 8), (torch.int64, 0), (torch.int64, 8),
+                (torch.float32, 4))]  # fmt: skip
+    values = [0, 1, 2, 15, 16, 17, 48, 2**31 - 16, 2**31, 2**31 + 1, -16, -1, True, False, 0.5,
+              1.0, None, *tensors]  # fmt: skip
+    for a, b in combinations(values, 2):
+        ours = _spec(a, False, specialize, align) == _spec(b, False, specialize, align)
+        theirs = (native_specialize_impl(BaseBackend, a, False, specialize, align)
+                  == native_specialize_impl(BaseBackend, b, False, specialize, align))  # fmt: skip
+        assert ours == theirs, (a, b)
+
+
 def test_meta_steps_cover_every_size_class_within_the_bounds():
     bounds = StepBounds(block_size=16, max_num_batched_tokens=64, max_num_seqs=8,
                         graph_buckets=(1, 2, 4, 8))  # fmt: skip
