@@ -56,7 +56,8 @@ def test_decode_kernel_overwrites_nothing_unfenced(
              "b_col": width - 2 * value_heads, "stride_conv_slot": 3 * channels,
              "stride_state_slot": value_heads * dim * dim,
              "stride_out": value_heads * dim}  # fmt: skip
-    constants = {"NUM_KEY_HEADS": key_heads, "GROUP": value_heads // key_heads, "DK": dim,
-                 "DV": dim, "BV": block}  # fmt: skip
+    group = value_heads // key_heads
+    constants = {"NUM_KEY_HEADS": key_heads, "GROUP": group, "DK": dim, "DV": dim, "BV": block,
+                 "GROUP_P2": 1 << (group - 1).bit_length()}  # fmt: skip
     ttgir = compile_ttgir(_decode_kernel, args, constants, num_warps)
     assert in_place_hazards(ttgir) == []

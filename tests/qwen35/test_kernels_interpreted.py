@@ -26,8 +26,8 @@ SCRIPT = textwrap.dedent("""
 
     # (sequences, key heads, value heads, dim, value block): blocks of part of a head, whose
     # last program normalises, and of a whole head (shared q/k windows, and a group of one).
-    cases = [(1, 2, 4, 16, 8), (3, 2, 4, 64, 16), (3, 2, 2, 16, 8), (2, 1, 3, 8, 8),
-             (2, 2, 4, 16, 16), (2, 2, 2, 16, 16)]
+    cases = [(1, 2, 4, 16, 8), (3, 2, 4, 64, 16), (3, 2, 2, 16, 8), (2, 1, 3, 16, 8),
+             (2, 1, 3, 8, 8), (2, 2, 4, 16, 16), (2, 2, 2, 16, 16)]
     print(json.dumps([decode_errors(*case[:4], torch.float32, "cpu", launch=DecodeLaunch(case[4]))
                       for case in cases]))
 """)

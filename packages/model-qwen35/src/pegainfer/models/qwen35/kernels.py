@@ -366,6 +366,7 @@ def _decode_kernel(
     DK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
+    GROUP_P2: tl.constexpr,
 ):
     """A block of BV value columns of one value head of sequence (row) i: the conv of the
     head's q and k channels and of the block's v channels, the delta-rule step on the block's
@@ -376,13 +377,14 @@ def _decode_kernel(
     `arrivals` (per sequence and key head) and the last to arrive moves them and resets the
     count for the next launch. A program holding a whole head (BV == dv) counts itself as soon
     as it has read the windows, while its state is still loading, and normalises its own
-    outputs. Smaller blocks store their outputs unnormalised and count
-    themselves after that, and the last to arrive also normalises the key head's GROUP value
-    heads in place. No program waits on another; a block's v channels and state are its own.
+    outputs. Smaller blocks store their outputs unnormalised and count themselves after
+    that, and the last to arrive also normalises the key head's GROUP value heads in place, as
+    the rows of one tile (of GROUP_P2, GROUP's next power of two, rows). No program waits on
+    another; a block's v channels and state are its own.
 
-    Every window moves after a barrier: a vector with fewer elements than the program has
-    threads is held by several of them and stored by one, which must not overwrite what
-    another has yet to read (`tests/qwen35/test_kernels_compiled.py`)."""
+    Every overwrite of what the program has read comes after a barrier: a vector with fewer
+    elements than the program has threads is held by several of them and stored by one, which
+    must not overwrite what another has yet to read (`tests/qwen35/test_kernels_compiled.py`)."""
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
@@ -402,6 +404,17 @@ def _decode_kernel(
     q, q0, q1, q2 = _conv_token(row, conv_w_ptr, window, q_cols)
     k, k0, k1, k2 = _conv_token(row, conv_w_ptr, window, k_cols)
     v, v0, v1, v2 = _conv_token(row, conv_w_ptr, window, v_cols)
+    # The norm's gates and weight, loaded with the rest and not after the last arrival: the
+    # block's head, or (with smaller blocks) the key head's GROUP value heads as rows.
+    ds = tl.arange(0, DV)
+    w = tl.load(norm_w_ptr + ds)
+    if BV == DV:
+        z = tl.load(row + z_col + hv * DV + ds).to(tl.float32)
+    else:
+        rs = tl.arange(0, GROUP_P2)
+        heads = (hk * GROUP + rs)[:, None] * DV + ds[None, :]
+        in_group = (rs < GROUP)[:, None]
+        z = tl.load(row + z_col + heads, mask=in_group, other=0.0).to(tl.float32)
     arrival = arrivals_ptr + seq * NUM_KEY_HEADS + hk
     arrived = 0
     if BV == DV:
@@ -421,25 +434,19 @@ def _decode_kernel(
     out_row = out_ptr + t * stride_out
     o = tl.sum(s * qf[:, None], axis=0).to(q.dtype)
     if BV == DV:
-        z = tl.load(row + z_col + hv * DV + vs).to(tl.float32)
-        normed = _gated_norm(o[None, :], z[None, :], tl.load(norm_w_ptr + vs), eps, DV)
-        tl.store(out_row + hv * DV + vs[None, :], normed)
+        tl.store(out_row + hv * DV + ds[None, :], _gated_norm(o[None, :], z[None, :], w, eps, DV))
         _store_window(window, v_cols, v0, v1, v2, vs < DV)
     else:
         tl.store(out_row + hv * DV + vs, o)
         tl.debug_barrier()  # every thread has read the windows and stored its outputs
         _store_window(window, v_cols, v0, v1, v2, vs < DV)
         arrived = tl.atomic_add(arrival, 1, sem="acq_rel")
-        ds = tl.arange(0, DV)
-        last_v = (arrived + tl.zeros_like(ds)) == sharers - 1  # all or none
-        w = tl.load(norm_w_ptr + ds)
-        for r in tl.static_range(GROUP):
-            head = hk * GROUP + r
-            # Written by other programs: read past this SM's L1, after the acquiring arrival.
-            x = tl.load(out_row + head * DV + ds, mask=last_v, other=0.0, cache_modifier=".cg")
-            z = tl.load(row + z_col + head * DV + ds, mask=last_v, other=0.0).to(tl.float32)
-            normed = _gated_norm(x[None, :], z[None, :], w, eps, DV)
-            tl.store(out_row + head * DV + ds[None, :], normed, mask=last_v[None, :])
+        last = in_group & ((arrived + tl.zeros_like(rs)) == sharers - 1)[:, None]  # all or none
+        # Written by other programs: read past this SM's L1, after the acquiring arrival.
+        x = tl.load(out_row + heads, mask=last, other=0.0, cache_modifier=".cg")
+        normed = _gated_norm(x, z, w, eps, DV)
+        tl.debug_barrier()  # every thread has read the outputs it normalises in place
+        tl.store(out_row + heads, normed, mask=last)
     last_k = (arrived + tl.zeros_like(ks)) == sharers - 1  # all or none
     if sharers > 1:
         tl.store(arrival + ks, 0, mask=last_k & (ks == 0))
@@ -490,7 +497,8 @@ def decode_gated_delta_net(
         states, out, slots, arrivals, proj.stride(0), channels, proj.shape[1] - heads,
         proj.shape[1] - 2 * heads, conv_states.stride(0), states.stride(0), out.stride(0),
         dk**-0.5, eps, NUM_KEY_HEADS=shape.num_key_heads, GROUP=heads // shape.num_key_heads,
-        DK=dk, DV=dv, BV=block, num_warps=launch.num_warps,
+        DK=dk, DV=dv, BV=block, GROUP_P2=triton.next_power_of_2(heads // shape.num_key_heads),
+        num_warps=launch.num_warps,
     )  # fmt: skip
     return out
 
