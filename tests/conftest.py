@@ -1,6 +1,6 @@
 """Suite-wide test configuration: GPU tests skip where CUDA is absent, and so do the tests of
 model lines that are not installed (the README's `uv sync --extra qwen3` installs one line:
-the others' tests are skipped, not collection errors); after each GPU test, what it left on
+the others' tests are skipped, not collection errors); after a failed test, what it left on
 the device is given back before the next one sizes its KV cache."""
 
 import gc
@@ -62,18 +62,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """After a GPU test and its fixtures' teardown: pytest keeps the last failure's traceback
-    for post-mortem debugging (`sys.last_traceback`), and with it the failed test's locals, so
-    an engine it built would keep its share of the GPU (gpu_memory_utilization) while the next
-    test builds its own and finds no memory left. Drop it, collect, and give the cached
-    blocks back to the driver (engines size their cache from what the driver reports free)."""
+    """After a failed test and its fixtures' teardown: pytest keeps the last failure's
+    traceback for post-mortem debugging (`sys.last_traceback`), and with it the failed test's
+    locals, so an engine it built would keep its share of the GPU (gpu_memory_utilization)
+    while the next test builds its own and finds no memory left. Drop it, collect, and give the
+    cached blocks back to the driver (engines size their cache from what the driver reports
+    free). A passing test's engines go with its frame."""
     result = yield
-    if "gpu" in item.keywords and torch.cuda.is_initialized():
+    if getattr(sys, "last_traceback", None) is not None:
         for name in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, name):
                 setattr(sys, name, None)
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
     return result
 
 
