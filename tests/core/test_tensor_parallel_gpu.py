@@ -27,6 +27,15 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """Each case's engines hold up to `gpu_memory_utilization` of GPU 0 until collected; free
+    them before the next case sizes its KV cache from what is left."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def gpu_engine(path, **overrides) -> EngineCore:
     args = dict(model=str(path), device="cuda", dtype="bfloat16", max_model_len=2048,
                 max_num_seqs=16, max_num_batched_tokens=256,
