@@ -46,6 +46,7 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine import core as engine_module
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.engine.messages import EngineRequest
+from pegainfer.core.matmul_weights import MatmulWeights, is_routed
 from pegainfer.core.sampling.sampler import sample_requests
 from pegainfer.core.sampling.sampling_params import SamplingParams
 from pegainfer.core.sampling.structured_output import StructuredOutput
@@ -57,9 +58,7 @@ from pegainfer.server.bench.make_checkpoint import (
 )
 from pegainfer.server.bench.report import git_revision
 from pegainfer.server.bench.step_limits import (
-    MatmulWeights,
     attention_flops,
-    is_routed,
     kv_read_bytes,
     measured_expert_spread,
     untouched_experts,

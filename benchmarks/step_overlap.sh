@@ -3,7 +3,10 @@
 # by `.gpu/on-device.sh` first), written under $OUT:
 #   STAGES="tests step serve multiturn" bash benchmarks/step_overlap.sh
 # MORE_TESTS adds test paths to the tests stage; PROFILE=1,256 writes kernel tables and host
-# phases of those decode batches (and of their mixed steps) beside the step JSONs.
+# phases of those decode batches (and of their mixed steps) beside the step JSONs;
+# SERVER_ARGS_EXTRA adds flags to every server start (serve and multiturn), beside each
+# SERVE_MODES entry's own. Step budgets side by side, e.g. (one line):
+#   STAGES=serve SERVE_MODES="--max-num-batched-tokens 2048;--max-num-batched-tokens 4096;--max-num-batched-tokens 8192" bash benchmarks/step_overlap.sh
 # tests: the Qwen3 CUDA tests (graphs, piecewise graphs, async scheduling) and the GPU sampler;
 # step:  benchmarks/model_step.py at Qwen3-4B shapes, batches 1/64/256 with and without a
 #        1k-token prefill beside them, with async scheduling (the default) and without;
@@ -26,14 +29,22 @@ checkpoint() {
     > "$OUT/checkpoint.log" 2>&1
 }
 
-# A server on port 8000 for the model at $1 with the flags that follow; serve_stop ends it.
+# A server on port 8000 for the model at $1 with the flags that follow (and
+# SERVER_ARGS_EXTRA's); says how long it took to become ready; serve_stop ends it.
 serve_start() {
   local model=$1; shift
+  local started=$SECONDS
+  # shellcheck disable=SC2086  # SERVER_ARGS_EXTRA is a list of flags
   pegainfer-server --model-path "$model" --port 8000 --max-model-len 20480 "$@" \
-    > "$OUT/server_$(basename "$model")_$(date +%s).log" 2>&1 &
+    ${SERVER_ARGS_EXTRA:-} > "$OUT/server_$(basename "$model")_$(date +%s).log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 1 360); do curl -sf localhost:8000/health > /dev/null && return; sleep 0.5; done
-  echo "server did not become ready"
+  for _ in $(seq 1 360); do
+    if curl -sf localhost:8000/health > /dev/null; then
+      echo "server [$* ${SERVER_ARGS_EXTRA:-}] ready in $((SECONDS - started)) s"; return
+    fi
+    sleep 0.5
+  done
+  echo "server [$* ${SERVER_ARGS_EXTRA:-}] did not become ready in $((SECONDS - started)) s"
 }
 serve_stop() { kill "$SERVER"; wait "$SERVER"; }
 

@@ -329,6 +329,7 @@ def assert_pieces_match_eager(engine: EngineCore, lengths: tuple[int, ...]) -> N
     batch = ForwardBatch.build(chunks, starts, tables, [True] * len(chunks), bs, cuda)
     assert runner.mixed_graphs.can_run(batch) and not runner.graphs.can_run(batch)
     with torch.inference_mode():
+        runner.mixed_graphs.capture_missing(batch)  # a bucket past the first ones: lazily
         pieces = runner.mixed_graphs.run(batch).float().log_softmax(-1)
         engine.model.prepare(batch)
         eager = engine.model(batch, engine.kv_cache).float().log_softmax(-1)

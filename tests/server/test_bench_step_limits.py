@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from pegainfer.core.kv.kv_cache import ArenaSpec
+from pegainfer.core.matmul_weights import MatmulWeights
 from pegainfer.server.bench import make_checkpoint as mc
 from pegainfer.server.bench.memory_plan import Layout, build_on_meta, shape_config
 from pegainfer.server.bench.step_limits import (
-    MatmulWeights,
     attention_flops,
     kv_read_bytes,
     measured_expert_spread,

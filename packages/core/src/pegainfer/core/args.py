@@ -145,6 +145,13 @@ class EngineArgs:
         "(captured per token-count bucket, attention run between the pieces).",
         "--no-mixed-step-graphs",
     )
+    max_mixed_graph_tokens: int | None = _arg(
+        None,
+        "The largest step (in tokens) that replays piecewise CUDA graphs; larger steps run "
+        "eagerly. By default where a step stops being launch-bound: the token count whose "
+        "matmuls take ~30 ms at 400 TFLOP/s (about 1,536 for Qwen3-4B), within "
+        "--max-num-batched-tokens.",
+    )
     decode_attention_tensor_cores: str = _arg(
         "auto",
         "GQA lines on CUDA (Qwen3, Qwen3.5): which of FlashInfer's decode kernels a batch of "
@@ -269,8 +276,14 @@ class EngineArgs:
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                     "tensor_parallel_size", "data_parallel_size"):  # fmt: skip
+                     "tensor_parallel_size", "data_parallel_size",
+                     "max_mixed_graph_tokens"):  # fmt: skip
             positive(name)
+        if (self.max_mixed_graph_tokens or 0) > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"max_mixed_graph_tokens ({self.max_mixed_graph_tokens}) must be at most "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}): no step is larger"
+            )
         self._check_nodes()
         if self.data_parallel_size > 1:
             if not self.enable_expert_parallel:

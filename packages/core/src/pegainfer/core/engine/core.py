@@ -64,8 +64,8 @@ from pegainfer.core.runner.memory import (
     given_gpu_kv_blocks,
     release_start_up_memory,
 )
+from pegainfer.core.runner.mixed_buckets import graph_token_cap, token_buckets
 from pegainfer.core.runner.model_runner import CacheShape, GraphSpec, ModelRunner
-from pegainfer.core.runner.piecewise_graphs import token_buckets
 from pegainfer.core.runner.warmup import WarmupShape, warm_up, watch_late_compiles
 from pegainfer.core.sampling.sampler import ScoredTokens, sample_requests
 from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
@@ -295,6 +295,15 @@ class EngineCore:
         # capture them too, but that has not run on GPUs; data-parallel steps run eagerly).
         mixed_graphs = (use_graphs and args.mixed_step_graphs and self.ranks is None
                         and self.model.supports_piecewise_graphs)  # fmt: skip
+        if args.max_mixed_graph_tokens is not None and not mixed_graphs:
+            raise ConfigError(
+                "--max-mixed-graph-tokens bounds the piecewise CUDA graphs of mixed steps, which "
+                f"this engine does not capture (the {line.name!r} line on {device}"
+                + (", --enforce-eager" if args.enforce_eager else "")
+                + (", --no-mixed-step-graphs" if not args.mixed_step_graphs else "")
+                + (", parallel ranks" if self.ranks is not None else "")
+                + ")"
+            )
         if args.decode_attention_tensor_cores != "auto" and not self.model.gqa_decode_kernels:
             raise ConfigError(
                 f"--decode-attention-tensor-cores {args.decode_attention_tensor_cores}: the "
@@ -377,7 +386,11 @@ class EngineCore:
             _check_forward(line, self.runner, args.block_size, bool(states))
         captured: tuple[int, ...] = ()  # the decode graphs' buckets captured before serving
         if buckets:
-            tokens = token_buckets(args.max_num_batched_tokens) if mixed_graphs else ()
+            tokens = ()
+            if mixed_graphs:  # up to where steps stop being launch-bound (mixed_buckets.py)
+                cap = graph_token_cap(self.model, args.max_num_batched_tokens,
+                                      args.max_mixed_graph_tokens)  # fmt: skip
+                tokens = token_buckets(cap)
             # One process captures the rest of the decode graphs while it serves.
             graph_spec = GraphSpec(buckets, num_blocks, num_slots - 1 if states else None, tokens,
                                    lazy=self.ranks is None)  # fmt: skip
@@ -385,8 +398,9 @@ class EngineCore:
                 self.ranks.capture_graphs(graph_spec)
             self.runner.capture(graph_spec)
             captured = self.runner.graphs.captured
-            self._startup.mark(f"{len(captured)} of {len(buckets)} decode graphs and "
-                               f"{len(tokens)} mixed-step graphs captured")  # fmt: skip
+            pieces = self.runner.mixed_graphs.captured if tokens else ()
+            self._startup.mark(f"{len(captured)} of {len(buckets)} decode graphs and {len(pieces)} "
+                               f"of {len(tokens)} mixed-step graphs captured")  # fmt: skip
         if cuda and self.ranks is None:  # parallel ranks' steps need plans (as for the check)
             warmup = WarmupShape(args.block_size, args.max_num_batched_tokens, max_model_len,
                                  args.max_num_seqs, num_blocks, bool(states), checkpoints,
@@ -516,13 +530,9 @@ class EngineCore:
         return tier
 
     def capture_pending_graph(self) -> bool:
-        """Capture one decode graph not captured yet (an idle loop's work; steps capture the
-        bucket they need themselves); whether there was one."""
-        graphs = self.runner.graphs if self.runner is not None else None
-        if graphs is None or not graphs.pending:
-            return False
-        graphs.capture_next()
-        return True
+        """Capture one decode graph or mixed step's pieces not captured yet (an idle loop's
+        work; steps capture the bucket they need themselves); whether there was one."""
+        return self.runner is not None and self.runner.capture_pending()
 
     def notify_on_rank_failure(self, callback: Callable[[], None]) -> None:
         """Call `callback` (from another thread) if a parallel rank fails mid-run."""

@@ -20,6 +20,7 @@ from pegainfer.core.kv.kv_cache import KVCache
 from pegainfer.core.model import Model
 from pegainfer.core.runner.cuda_graphs import DecodeGraphs, first_buckets
 from pegainfer.core.runner.forward_batch import Feed, ForwardBatch
+from pegainfer.core.runner.mixed_buckets import first_token_buckets
 from pegainfer.core.runner.piecewise_graphs import MixedGraphs
 
 
@@ -42,8 +43,9 @@ class GraphSpec:
     dummy_block: int
     dummy_slot: int | None
     token_buckets: tuple[int, ...] = ()
-    #: Capture only `first_buckets` now, the rest when a step or an idle engine needs them
-    #: (one process only: parallel ranks' graphs hold collectives captured in step).
+    #: Capture only `first_buckets` (and `first_token_buckets`) now, the rest when a step or
+    #: an idle engine needs them (one process only: parallel ranks' graphs hold collectives
+    #: captured in step).
     lazy: bool = False
 
 
@@ -75,7 +77,17 @@ class ModelRunner:
             self.mixed_graphs = MixedGraphs(
                 model, cache, spec.token_buckets, block, size, self.device
             )
-            self.mixed_graphs.capture()
+            tokens = spec.token_buckets
+            self.mixed_graphs.capture(first_token_buckets(tokens) if spec.lazy else None)
+
+    def capture_pending(self) -> bool:
+        """Capture one graph not captured yet, a decode graph before the mixed steps' pieces
+        (an idle engine's work); whether there was one."""
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None and graphs.pending:
+                graphs.capture_next()
+                return True
+        return False
 
     def release_graphs(self) -> None:
         """Drop the graphs (they hold captured collectives: they go before the communicator)."""
@@ -91,12 +103,19 @@ class ModelRunner:
             feed.apply(batch, fed_ids)
         return batch
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The logits of `batch.logits_indices`' rows (none on ranks that compute no logits)."""
-        if self.graphs is not None and self.graphs.can_run(batch):
-            self.graphs.capture_missing(batch)
-            return self.graphs.run(batch)
-        if self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
-            return self.mixed_graphs.run(batch)
+    def forward(self, batch: ForwardBatch, capture: bool = True) -> torch.Tensor:
+        """The logits of `batch.logits_indices`' rows (none on ranks that compute no logits).
+        Without `capture`, a step whose graph is still missing pads to a larger decode graph or
+        runs eagerly instead of capturing its own (the start's warm-up)."""
+        graphs, mixed = self.graphs, self.mixed_graphs
+        if graphs is not None and graphs.can_run(batch):
+            if capture:
+                graphs.capture_missing(batch)
+            return graphs.run(batch)
+        if mixed is not None and mixed.can_run(batch):
+            if capture:
+                mixed.capture_missing(batch)
+            if mixed.has_graph_for(batch.num_tokens):
+                return mixed.run(batch)
         self.model.prepare(batch)
         return self.model(batch, self.kv_cache)

@@ -19,6 +19,12 @@ Padding rows (token 0 at position 0) write their KV to the reserved dummy block;
 planned and run for the real rows only, so the padding rows' attention output is whatever the
 buffer held (finite: it starts zeroed and only attention writes it), and every other op is
 row-wise, so real rows never see them.
+
+The buckets (`runner/mixed_buckets.py`) stop where steps stop being launch-bound; larger steps
+run eagerly. One process may capture only the first buckets before it serves: a step whose own
+bucket is missing captures it first (`capture_missing`), and an idle engine captures the others
+(`capture_next`), smallest first. Every capture shares one memory pool: one bucket's pieces
+replay at a time, and each replay writes every intermediate it reads.
 """
 
 from __future__ import annotations
@@ -35,14 +41,6 @@ from pegainfer.core.model import Model
 from pegainfer.core.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
-
-
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Powers of two from 16 to 256, then every multiple of 256 up to `max_tokens` (itself
-    included): padding costs at most 2x at small counts and at most 255 rows beyond."""
-    buckets = {b for b in (16, 32, 64, 128, 256) if b <= max_tokens}
-    buckets |= set(range(512, max_tokens + 1, 256)) | {max_tokens}
-    return tuple(sorted(buckets))
 
 
 @dataclass
@@ -93,10 +91,27 @@ class MixedGraphs:
         # run in order), sized for the largest bucket.
         self._outputs: dict[tuple, torch.Tensor] = {}
         self._pieces: dict[int, _Pieces] = {}
+        self._pool: object | None = None  # the pieces' memory pool, once one is captured
 
     @property
     def max_tokens(self) -> int:
         return self.buckets[-1]
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._pieces))
+
+    @property
+    def pending(self) -> list[int]:
+        """The buckets not captured yet, smallest first."""
+        return [b for b in self.buckets if b not in self._pieces]
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+    def has_graph_for(self, num_tokens: int) -> bool:
+        """Whether the bucket of a step of `num_tokens` (within the largest) is captured."""
+        return self.bucket_for(num_tokens) in self._pieces
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Any single-process step within the largest bucket, unless the model has recurrent
@@ -106,25 +121,44 @@ class MixedGraphs:
         restarts = self.kv_cache.num_slots > 0 and batch.starts_states
         return batch.data_parallel is None and batch.num_tokens <= self.max_tokens and not restarts
 
-    def capture(self) -> None:
+    def capture(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Capture `buckets` (default: every one), largest first."""
+        for bucket in sorted(buckets or self.buckets, reverse=True):
+            self._capture_bucket(bucket)
+        segments = sum(len(p.graphs) for p in self._pieces.values())
+        logger.info("captured piecewise CUDA graphs for mixed steps of %s tokens (%d segments)%s",
+                    self.captured, segments,
+                    f" ({len(self.pending)} more later)" if self.pending else "")  # fmt: skip
+
+    def capture_next(self) -> None:
+        """Capture the smallest bucket not captured yet (an idle engine's work)."""
+        self._capture_bucket(self.pending[0])
+        if not self.pending:
+            logger.info("captured every mixed-step graph (%d token buckets)", len(self.buckets))
+
+    def capture_missing(self, batch: ForwardBatch) -> None:
+        """Capture the bucket of `batch`'s token count, if it is still missing."""
+        bucket = self.bucket_for(batch.num_tokens)
+        if bucket not in self._pieces:
+            self._capture_bucket(bucket)
+
+    def _capture_bucket(self, bucket: int) -> None:
+        # Padding rows only (a replay leaves real rows' ids, positions and slots behind): the
+        # warm-up and the capture write the dummy block alone.
+        self._inputs[:, :bucket].copy_(self._pad[:, None].expand(-1, bucket))
+        batch = self._static_batch(bucket)
+        # Warm-up, eagerly: compiles kernels for this size, settles allocations. The hidden
+        # states only, as the pieces hold them (logits of every row would be bucket x vocab).
+        self.model.prepare(batch)
+        self.model.hidden_states(batch, self.kv_cache)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        pool = torch.cuda.graph_pool_handle()  # the pieces' own (not the decode graphs')
-        for bucket in reversed(self.buckets):
-            batch = self._static_batch(bucket)
-            # Warm-up, eagerly and whole: compiles kernels for this size, settles allocations.
-            self.model.prepare(batch)
-            self.model(batch, self.kv_cache)
-            with torch.cuda.stream(stream):
-                self._pieces[bucket] = self._capture(batch, pool)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()  # the pieces' own (not the decode graphs')
+        with torch.cuda.stream(stream):
+            self._pieces[bucket] = self._capture(batch, self._pool)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        segments = sum(len(p.graphs) for p in self._pieces.values())
-        logger.info(
-            "captured piecewise CUDA graphs for mixed steps of %s tokens (%d segments)",
-            list(self.buckets),
-            segments,
-        )
 
     def _capture(self, batch: ForwardBatch, pool: object) -> _Pieces:
         graphs = [torch.cuda.CUDAGraph()]
@@ -157,9 +191,10 @@ class MixedGraphs:
         return _Pieces(graphs, splits, states)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """The logits of `batch` (its `logits_indices` rows), replaying its bucket's pieces."""
+        """The logits of `batch` (its `logits_indices` rows), replaying its bucket's pieces
+        (captured: `capture_missing` first)."""
         n = batch.num_tokens
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        bucket = self.bucket_for(n)
         self._inputs[0, :n].copy_(batch.input_ids)
         self._inputs[1, :n].copy_(batch.positions)
         self._inputs[2, :n].copy_(batch.slot_mapping)

@@ -133,7 +133,7 @@ def warm_up(runner: ModelRunner, shape: WarmupShape) -> int:
     extra = module_token_counts(runner.model, shape)
     with torch.inference_mode():
         for batch in warmup_batches(shape, runner.device, extra):
-            runner.forward(batch)
+            runner.forward(batch, capture=False)  # a lazy graph's capture compiles its own
             steps += 1
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -1,6 +1,7 @@
 """What one engine step must read and compute, for the physical limits `benchmarks/model_step.py`
-sets beside its timings: the weight elements the matmuls see, the routed experts a batch
-touches, the KV a decode step reads and the FLOPs of causal attention over a prompt.
+sets beside its timings: the routed experts a batch touches, the KV a decode step reads and the
+FLOPs of causal attention over a prompt (the weight elements the matmuls see are counted by
+`pegainfer.core.matmul_weights`).
 
 Counts are of what the step needs, not of what a kernel happens to do: a packed INT4 int32 holds
 eight weights and scales hold none; a batch reads only the routed experts its tokens choose;
@@ -10,54 +11,18 @@ sparse attention (GLM-5's) reads the latents of the keys it selects.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from pegainfer.core.kv.kv_cache import ArenaSpec
 from pegainfer.core.moe.layer import MoE
-from pegainfer.core.quant.linear import QuantLinear
-from pegainfer.core.quant.scheme import Fp8Block
 
 if TYPE_CHECKING:
     from pegainfer.core.engine.core import EngineCore
 
 # The KV arena of a sparse-attention model's indexer keys (GLM-5's).
 INDEX_ARENA = "index_k"
-# Parameters (and their modules) outside every matmul of a step's rows: the embedding is
-# gathered, and the LM head runs for one row of a prompt.
-_NOT_MATMULS = ("embed_tokens", "lm_head")
-
-
-def is_routed(name: str) -> bool:
-    """Whether the parameter or module `name` belongs to a MoE layer's routed experts."""
-    return ".mlp.experts." in name
-
-
-@dataclass(frozen=True)
-class MatmulWeights:
-    """Elements of a model's weights as the matmuls see them (a packed INT4 int32 holds eight,
-    quantization scales hold none), the embedding table and the LM head left out."""
-
-    elements: int
-    routed: int  # of which the routed experts'
-    fp8: int  # of which stored FP8 outside the routed experts (FP8 x FP8 GEMMs in prefill)
-
-    @classmethod
-    def of(cls, model: nn.Module) -> MatmulWeights:
-        quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-        sizes = [(name, p.numel(), False) for name, p in model.named_parameters()
-                 if name.rpartition(".")[0] not in quantized]  # fmt: skip
-        sizes += [(name, m.out_features * m.in_features, isinstance(m.fmt, Fp8Block))
-                  for name, m in quantized.items()]  # fmt: skip
-        sizes = [size for size in sizes if not size[0].startswith(_NOT_MATMULS)]
-        return cls(
-            elements=sum(n for _, n, _ in sizes),
-            routed=sum(n for name, n, _ in sizes if is_routed(name)),
-            fp8=sum(n for name, n, fp8 in sizes if fp8 and not is_routed(name)),
-        )
 
 
 def measured_expert_spread(engine: EngineCore) -> float | None:
