@@ -12,11 +12,12 @@ launch that faults is recorded as such and the others still run).
 For each decode case (1, 16 or 64 one-token sequences: a decode step's DeltaNet layer), timed
 as decode steps run it, in a CUDA graph (`graph_time`: the kernels captured 50 times, the
 replay's time divided by 50, so the host's launch cost is out and the gaps between kernels are
-in): the three kernels of the default path (conv, recurrent rule, gated norm) against the fused
-decode kernel (`kernels.decode_gated_delta_net`, opt-in) at each launch of DECODE_LAUNCHES
-(value columns per program and warps: blocks of part of a head, whose last program normalises,
-and of a whole head), the fastest named, beside its byte limit (its states, conv windows,
-projection rows and outputs read or written once, at the copy bandwidth measured here).
+in): the three kernels of the default path (conv, recurrent rule, gated norm; together and
+each alone) against the fused decode kernel (`kernels.decode_gated_delta_net`, opt-in) at each
+launch of DECODE_LAUNCHES (value columns per program and warps: blocks of part of a head,
+whose last program normalises, and of a whole head), the fastest named, beside its byte limit
+(its states, conv windows, projection rows and outputs read or written once, at the copy
+bandwidth measured here).
 """
 
 from __future__ import annotations
@@ -151,12 +152,23 @@ def run_decode_case(seqs: int, device: torch.device, bandwidth: float) -> dict:
     arrivals = torch.zeros(seqs, SHAPE.num_key_heads, dtype=torch.int32, device=device)
     z = proj[:, channels : channels + heads * dim].view(seqs, heads, dim)
 
+    def conv() -> torch.Tensor:
+        return kernels.causal_conv1d(proj[:, :channels], conv_weight, conv_states, slots, bounds, 1)
+
+    def recurrent(qkv: torch.Tensor) -> torch.Tensor:
+        return kernels.recurrent_gated_delta_rule(qkv, proj, a_log, dt_bias, states, slots, SHAPE)
+
     def three_kernels() -> None:
-        qkv = kernels.causal_conv1d(proj[:, :channels], conv_weight, conv_states, slots, bounds, 1)
-        out = kernels.recurrent_gated_delta_rule(qkv, proj, a_log, dt_bias, states, slots, SHAPE)
-        kernels.gated_rms_norm(out, z, norm, 1e-6)
+        kernels.gated_rms_norm(recurrent(conv()), z, norm, 1e-6)
 
     result: dict = {"sequences": seqs, "three_kernels_us": 1e6 * graph_time(three_kernels)}
+    qkv = conv()
+    out = recurrent(qkv)
+    result["each_kernel_us"] = {
+        "conv": 1e6 * graph_time(conv),
+        "recurrent": 1e6 * graph_time(lambda: recurrent(qkv)),
+        "norm": 1e6 * graph_time(lambda: kernels.gated_rms_norm(out, z, norm, 1e-6)),
+    }
     fused_us = {}
     for launch in DECODE_LAUNCHES:
 
