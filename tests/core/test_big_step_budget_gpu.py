@@ -36,15 +36,13 @@ def start(path, budget: int) -> tuple[EngineCore, float]:
 
 
 def step_past_the_cap(engine: EngineCore, chunk: int) -> ForwardBatch:
-    """Three decodes beside a `chunk`-token prompt, on blocks of the engine's cache."""
+    """Three one-token prompts (decode rows: a query row each) beside a `chunk`-token prompt, on
+    fresh blocks of the engine's cache: every key the step reads, it writes."""
     bs, manager = engine.config.block_size, engine.block_manager
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
     fresh = [(7 * k) % 900 + 1 for k in range(chunk)]
-    tables = [manager.allocate(-(-(len(p) + 1) // bs)) for p in prompts]
-    tables.append(manager.allocate(-(-chunk // bs)))
-    chunks = [[7], [8], [9], fresh]
-    starts = [len(p) for p in prompts] + [0]
-    return ForwardBatch.build(chunks, starts, tables, [True] * 4, bs, torch.device("cuda"))
+    tables = [manager.allocate(1) for _ in range(3)] + [manager.allocate(-(-chunk // bs))]
+    return ForwardBatch.build([[7], [8], [9], fresh], [0] * 4, tables, [True] * 4, bs,
+                              torch.device("cuda"))  # fmt: skip
 
 
 @pytest.mark.parametrize(("line", "budget"), [("qwen3", 8192), ("qwen3", 16384),
