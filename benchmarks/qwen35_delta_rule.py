@@ -10,14 +10,14 @@ its launch parameters (`kernels.ChunkLaunch`; with --sweep, each in a process of
 launch that faults is recorded as such and the others still run).
 
 For each decode case (1, 16 or 64 one-token sequences: a decode step's DeltaNet layer), timed
-as decode steps run it, in a CUDA graph (`graph_time`: the kernels captured 50 times, the
-replay's time divided by 50, so the host's launch cost is out and the gaps between kernels are
-in): the three kernels of the default path (conv, recurrent rule, gated norm; together and
-each alone) against the fused decode kernel (`kernels.decode_gated_delta_net`, opt-in) at each
-launch of DECODE_LAUNCHES (value columns per program and warps: blocks of part of a head,
-whose last program normalises, and of a whole head), the fastest named, beside its byte limit
-(its states, conv windows, projection rows and outputs read or written once, at the copy
-bandwidth measured here).
+as decode steps run it, in a CUDA graph (`graph_time`: the kernels captured for 64 layers'
+states in turn, the replay's time divided by 64, so the host's launch cost is out, the gaps
+between kernels are in, and the states come from HBM as in a step): the three kernels of the
+default path (conv, recurrent rule, gated norm; together and each alone) against the fused
+decode kernel (`kernels.decode_gated_delta_net`, opt-in) at each launch of DECODE_LAUNCHES
+(value columns per program and warps: blocks of part of a head, whose last program normalises,
+and of a whole head), the fastest named, beside its byte limit (its states, conv windows,
+projection rows and outputs read or written once, at the copy bandwidth measured here).
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ CASES = {
     "decode_64_beside_1k": [1] * 64 + [1024],
 }
 DECODE_CASES = {"decode_1": 1, "decode_16": 16, "decode_64": 64}
+#: Layers' states a decode case cycles through: 64 batch-1 states (128 MiB) are more than the
+#: H200's L2 holds, as a step's states are once the weights between its layers have streamed.
+DECODE_LAYERS = 64
 DECODE_LAUNCHES = [
     kernels.DecodeLaunch(block, warps)
     for block, warps in [(8, 1), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4),
@@ -121,22 +124,24 @@ def run_case(
     return result
 
 
-def graph_time(fn, reps: int = 50) -> float:
-    """Median seconds per call of `fn` replayed in a CUDA graph of `reps` calls."""
+def graph_time(fn, reps: int) -> float:
+    """Median seconds per call of `fn` replayed in a CUDA graph of the calls fn(0) ..
+    fn(reps - 1)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compiles and warms up, on the capture stream
+        fn(0)  # compiles and warms up, on the capture stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+        for layer in range(reps):
+            fn(layer)
     return cuda_time(graph.replay) / reps
 
 
 def run_decode_case(seqs: int, device: torch.device, bandwidth: float) -> dict:
-    """One DeltaNet layer's decode of `seqs` one-token sequences."""
+    """One DeltaNet layer's decode of `seqs` one-token sequences, timed over DECODE_LAYERS
+    layers' states in turn (as a step reads them: from HBM, not from the L2 cache)."""
     g = torch.Generator(device).manual_seed(seqs)
     heads, dim, channels = SHAPE.num_value_heads, SHAPE.value_dim, SHAPE.conv_channels
     width = channels + heads * dim + 2 * heads
@@ -145,44 +150,51 @@ def run_decode_case(seqs: int, device: torch.device, bandwidth: float) -> dict:
     a_log = torch.rand(heads, device=device, generator=g).log().bfloat16()
     dt_bias = torch.randn(heads, device=device, generator=g).bfloat16()
     norm = torch.ones(dim, dtype=torch.bfloat16, device=device)
-    conv_states = torch.zeros(seqs + 1, channels, 3, device=device)
-    states = 0.1 * torch.randn(seqs + 1, heads, SHAPE.key_dim, dim, device=device, generator=g)
+    layers = DECODE_LAYERS
+    conv_states = torch.zeros(layers, seqs + 1, channels, 3, device=device)
+    states = torch.randn(layers, seqs + 1, heads, SHAPE.key_dim, dim, device=device, generator=g)
+    states.mul_(0.1)
     slots = torch.arange(1, seqs + 1, dtype=torch.int32, device=device)
     bounds = torch.arange(seqs + 1, dtype=torch.int32, device=device)
     arrivals = torch.zeros(seqs, SHAPE.num_key_heads, dtype=torch.int32, device=device)
     z = proj[:, channels : channels + heads * dim].view(seqs, heads, dim)
 
-    def conv() -> torch.Tensor:
-        return kernels.causal_conv1d(proj[:, :channels], conv_weight, conv_states, slots, bounds, 1)
+    def conv(layer: int) -> torch.Tensor:
+        return kernels.causal_conv1d(
+            proj[:, :channels], conv_weight, conv_states[layer], slots, bounds, 1
+        )
 
-    def recurrent(qkv: torch.Tensor) -> torch.Tensor:
-        return kernels.recurrent_gated_delta_rule(qkv, proj, a_log, dt_bias, states, slots, SHAPE)
+    def recurrent(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        return kernels.recurrent_gated_delta_rule(
+            qkv, proj, a_log, dt_bias, states[layer], slots, SHAPE
+        )
 
-    def three_kernels() -> None:
-        kernels.gated_rms_norm(recurrent(conv()), z, norm, 1e-6)
+    def three_kernels(layer: int) -> None:
+        kernels.gated_rms_norm(recurrent(layer, conv(layer)), z, norm, 1e-6)
 
-    result: dict = {"sequences": seqs, "three_kernels_us": 1e6 * graph_time(three_kernels)}
-    qkv = conv()
-    out = recurrent(qkv)
+    result: dict = {"sequences": seqs, "three_kernels_us": 1e6 * graph_time(three_kernels, layers)}
+    qkv = conv(0)
+    out = recurrent(0, qkv)
     result["each_kernel_us"] = {
-        "conv": 1e6 * graph_time(conv),
-        "recurrent": 1e6 * graph_time(lambda: recurrent(qkv)),
-        "norm": 1e6 * graph_time(lambda: kernels.gated_rms_norm(out, z, norm, 1e-6)),
+        "conv": 1e6 * graph_time(conv, layers),
+        "recurrent": 1e6 * graph_time(lambda layer: recurrent(layer, qkv), layers),
+        "norm": 1e6 * graph_time(lambda _: kernels.gated_rms_norm(out, z, norm, 1e-6), layers),
     }
     fused_us = {}
     for launch in DECODE_LAUNCHES:
 
-        def fused(launch: kernels.DecodeLaunch = launch) -> None:
+        def fused(layer: int, launch: kernels.DecodeLaunch = launch) -> None:
             kernels.decode_gated_delta_net(
-                proj, conv_weight, conv_states, a_log, dt_bias, norm, 1e-6, states, slots,
-                arrivals, SHAPE, launch,
+                proj, conv_weight, conv_states[layer], a_log, dt_bias, norm, 1e-6, states[layer],
+                slots, arrivals, SHAPE, launch,
             )  # fmt: skip
 
-        fused_us[f"block_{launch.block}_warps_{launch.num_warps}"] = 1e6 * graph_time(fused)
+        name = f"block_{launch.block}_warps_{launch.num_warps}"
+        fused_us[name] = 1e6 * graph_time(fused, layers)
     result["fused_us"] = fused_us
     result["fused_default_us"] = fused_us["block_{}_warps_{}".format(*DEFAULT_DECODE)]
     result["fused_fastest"] = min(fused_us, key=fused_us.__getitem__)
-    state_bytes = 2 * seqs * (states[0].numel() + channels * 3) * 4
+    state_bytes = 2 * seqs * (states[0, 0].numel() + channels * 3) * 4
     result["fused_limit_us"] = 1e6 * (state_bytes + 2 * proj.numel() + 2 * z.numel()) / bandwidth
     return result
 
