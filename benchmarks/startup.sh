@@ -42,7 +42,7 @@ for stage in $STAGES; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/core/test_plan_buffers_gpu.py \
         tests/core/test_warmup_gpu.py tests/core/test_staging_gpu.py \
         tests/core/test_kv_sizing_gpu.py tests/core/test_precompile_gpu.py \
-        tests/core/test_lazy_graphs_gpu.py ${MORE_TESTS:-} \
+        tests/core/test_lazy_graphs_gpu.py tests/core/test_early_cuda.py ${MORE_TESTS:-} \
         > "$OUT/tests.log" 2>&1
       echo "tests: exit $? ($(tail -1 "$OUT/tests.log"))"
       ;;
