@@ -421,11 +421,11 @@ def test_a_rank_dying_mid_request_ends_it_with_an_error_and_the_server_reports_u
 
 def _rank_worker(pid: int) -> int:
     """The tensor-parallel worker below the server `pid`: spawned (spawn's entry point, not
-    its resource tracker) by the engine process, which the server spawned."""
-    spawned = {p for p in _descendants(pid)
-               if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()}  # fmt: skip
-    for child in spawned:
-        if _parent(child) in spawned:
+    its resource tracker) by the engine process, which the server started."""
+    below = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _descendants(pid)}
+    engines = {p for p, cmdline in below.items() if b"pegainfer.core.engine.spawn" in cmdline}
+    for child, cmdline in below.items():
+        if b"spawn_main" in cmdline and _parent(child) in engines:
             return child
     raise AssertionError("no worker process found")
 

@@ -40,7 +40,7 @@ def test_startup_cold_and_warm(tiny_model, tmp_path):
         # no torch.
         assert 100 < run["idle_rss_mib"] < 1024
         roles = run["idle_rss_by_role_mib"]
-        assert set(roles) == {"http", "engine", "resource tracker"}, roles
+        assert set(roles) == {"http", "engine"}, roles  # no multiprocessing resource tracker
         assert roles["http"] < 200 < roles["engine"], roles
         assert abs(sum(roles.values()) - run["idle_rss_mib"]) < 1
         mappings = run["idle_engine_mappings_mib"]
@@ -51,7 +51,8 @@ def test_startup_cold_and_warm(tiny_model, tmp_path):
         assert run["idle_rss_anon_mib"] + run["idle_rss_file_mib"] <= run["idle_rss_mib"] + 1
         assert run["processes"] >= 2
         names = [phase["phase"] for phase in run["phases"]]
-        assert names[0] == "model loaded" and names[-1] == "engine ready", names
+        assert names[0] == "engine process started" and names[-1] == "engine ready", names
+        assert "model loaded" in names, names
         assert all(0 < phase["s"] < run["ready_s"] + 5 for phase in run["phases"])
     assert json.loads(out.read_text()) == result
 

@@ -23,14 +23,14 @@ DEADLINE_S = 60.0
 
 
 def engine_pid(server: Server) -> int:
-    """The engine process: the process the server spawned (not spawn's resource tracker)."""
+    """The engine process: the server's child running `pegainfer.core.engine.spawn`."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if parent == server.process.pid and b"spawn_main" in cmdline:
+        if parent == server.process.pid and b"pegainfer.core.engine.spawn" in cmdline:
             return int(stat.parent.name)
     raise AssertionError("the server has no engine process")
 

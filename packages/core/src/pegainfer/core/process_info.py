@@ -93,11 +93,15 @@ class StartupLog:
         self._rss = rss
 
 
-def exit_with_parent() -> None:
-    """End this process (a child started by multiprocessing) when its parent's ends, even while
-    its main thread is blocked in a collective or a device sync, where it would never see a
-    pipe close. Run it in a daemon thread."""
-    parent = mp.parent_process()
-    if parent is not None:
-        mp_connection.wait([parent.sentinel])
-        os._exit(1)
+def exit_with_parent(sentinel: int | None = None) -> None:
+    """End this process when its parent's ends, even while its main thread is blocked in a
+    collective or a device sync, where it would never see a pipe close. The parent's end shows
+    on `sentinel` (a descriptor readable once the parent has gone), by default multiprocessing's
+    (a child it started). Run it in a daemon thread."""
+    if sentinel is None:
+        parent = mp.parent_process()
+        if parent is None:
+            return
+        sentinel = parent.sentinel
+    mp_connection.wait([sentinel])
+    os._exit(1)

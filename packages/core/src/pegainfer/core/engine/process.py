@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import queue
 import signal
 import threading
@@ -34,7 +33,7 @@ from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.engine_config import EngineConfig
 from pegainfer.core.engine.loop import OutputSink, encode
 from pegainfer.core.engine.messages import EngineOutputs, Inbound, Shutdown
-from pegainfer.core.engine.spawn import SpawnedEngine, spawn_engine
+from pegainfer.core.engine.spawn import EngineChild, SpawnedEngine, spawn_engine
 from pegainfer.core.errors import PegainferError
 
 logger = logging.getLogger(__name__)
@@ -144,6 +143,7 @@ class EngineProcess:
         if self._reader is not None:
             self._reader.join()
         self._outbox.close()
+        self.process.close()
 
     def _read(self, sink: OutputSink) -> None:
         try:
@@ -161,7 +161,7 @@ class EngineProcess:
         sink(encode(EngineOutputs([], engine_failed=reason)))
 
 
-def _ended(process: mp.process.BaseProcess) -> str:
+def _ended(process: EngineChild) -> str:
     code = process.exitcode
     if code is None:
         return "closed its pipe"

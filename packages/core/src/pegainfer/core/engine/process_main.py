@@ -26,12 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 def engine_main(
-    args: EngineArgs, inbox: Connection, outbox: Connection, startup: StartupLog
+    args: EngineArgs, inbox: Connection, outbox: Connection, startup: StartupLog, lifeline: int
 ) -> None:
     """The engine process (logging set up, its start-up log begun): load, report, then run
-    the loop until Shutdown or the server ends."""
+    the loop until Shutdown or the server ends (`lifeline`: readable once it has)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=exit_with_parent, daemon=True, name="pegainfer-parent").start()
+    threading.Thread(target=exit_with_parent, args=(lifeline,), daemon=True,
+                     name="pegainfer-parent").start()  # fmt: skip
     try:
         engine = EngineCore(args, startup=startup)
     except Exception as exc:
