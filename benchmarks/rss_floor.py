@@ -8,13 +8,15 @@ and graphs cost by themselves can be told apart from what the engine adds:
 
     python benchmarks/rss_floor.py [--glibc] [--json OUT]
 
-Steps: the interpreter; `import torch`; a CUDA context (a tensor on the device); a bf16 matmul
-(cuBLAS/cuBLASLt load); a FlashInfer paged decode and prefill at Qwen3-4B's attention shapes
-(32 query heads, 8 KV heads, head dim 128; when flashinfer imports); a Triton kernel; a CUDA
-graph captured and replayed; `malloc_trim(0)`. `CUDA_MODULE_LOADING` is left as the environment
-sets it (printed). `--glibc` adds glibc's `mallinfo2()` after each step: bytes its arenas took
-from the system (`arena`), in mmapped chunks (`hblkhd`), in use (`uordblks`) and free but kept
-(`fordblks`). Seconds on a GPU machine; without CUDA only the first two steps run.
+Steps: the interpreter; `import torch`; a CUDA context (a tensor on the device); torch's own
+kernels that a step and the sampler run (softmax, top-k, sort, cumsum, multinomial, indexing);
+bf16 matmuls (cuBLAS/cuBLASLt load); a FlashInfer paged decode and prefill at Qwen3-4B's
+attention shapes (32 query heads, 8 KV heads, head dim 128; when flashinfer imports); a Triton
+kernel; a CUDA graph captured and replayed; `malloc_trim(0)`. `CUDA_MODULE_LOADING` is left as
+the environment sets it (printed). `--glibc` adds glibc's `mallinfo2()` after each step: bytes
+its arenas took from the system (`arena`), in mmapped chunks (`hblkhd`), in use (`uordblks`)
+and free but kept (`fordblks`). Seconds on a GPU machine; without CUDA only the first two
+steps run.
 """
 
 from __future__ import annotations
@@ -106,6 +108,19 @@ def cuda_steps() -> list[tuple[str, Callable[[], object]]]:
         kept.append(torch.zeros(1, device=device))
         torch.cuda.synchronize()
 
+    def torch_kernels() -> None:
+        """What a step and the sampler run besides GEMMs: elementwise, reductions, softmax,
+        sort, top-k, cumulative sums, sampling, indexing (torch's own kernel modules load)."""
+        x = torch.randn(256, 151936, device=device)
+        probs = torch.softmax(x * 0.7, dim=-1)
+        top = torch.topk(probs, 20, dim=-1)
+        ordered, _ = torch.sort(probs[:8], dim=-1, descending=True)
+        kept.append(torch.cumsum(ordered, dim=-1))
+        kept.append(torch.multinomial(top.values, 1))
+        kept.append(x.to(torch.bfloat16).index_select(0, torch.arange(0, 256, 2, device=device)))
+        kept.append(torch.nn.functional.silu(x[:, :4096]) * x[:, 4096:8192])
+        torch.cuda.synchronize()
+
     def matmul() -> None:
         a = torch.randn(4096, 2560, device=device, dtype=torch.bfloat16)
         b = torch.randn(2560, 9728, device=device, dtype=torch.bfloat16)
@@ -177,6 +192,7 @@ def cuda_steps() -> list[tuple[str, Callable[[], object]]]:
 
     return [
         ("CUDA context", context),
+        ("torch kernels (sampler, elementwise)", torch_kernels),
         ("bf16 matmul (cuBLAS, cuBLASLt)", matmul),
         ("FlashInfer decode + prefill", attention),
         ("Triton kernel", triton_kernel),
