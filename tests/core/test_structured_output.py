@@ -161,3 +161,107 @@ def test_a_grammar_that_fails_on_its_first_mask_is_refused_up_front(model_dir):
     engine = make_engine(model_dir)
     with pytest.raises(InvalidRequestError, match="json_schema"):
         engine.grammars.matcher(StructuredOutput.json_schema({"$ref": "#"}), [7])
+
+
+# Qwen's added tokens that are not special (`<think>`, `<tool_call>` ...) are text to a grammar;
+# the special ones (`<|im_end|>`) are not. llguidance's own reading of tokenizer.json counted
+# both special, so a grammar forcing `<think>` offered its token and then refused it: the
+# request failed after one token.
+TAGGED = {
+    "regex": StructuredOutput(kind="regex", spec=r"<think>[a-z]{1,8}</think>\n?[a-z]{1,4}"),
+    "json_schema": StructuredOutput.json_schema({
+        "type": "object", "additionalProperties": False, "required": ["call", "end"],
+        "properties": {"call": {"const": "<tool_call>x</tool_call>"},
+                       "end": {"enum": ["<|im_end|>", "<think>"]}}}),
+    "grammar": StructuredOutput(kind="grammar",
+                                spec='start: "<think>" /[a-z]{1,6}/ "</think>" <|im_end|>'),
+}  # fmt: skip
+
+
+def test_a_grammar_forcing_an_added_tokens_text_offers_the_token_and_accepts_it(model_dir):
+    engine = make_engine(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    think = tokenizer.token_to_id("<think>")
+    eos = [tokenizer.token_to_id("<|im_end|>")]
+    matcher = engine.grammars.matcher(StructuredOutput(kind="regex", spec="<think>x"), eos)
+    # The forced text's canonical first token is the added token: the only one allowed.
+    assert allowed_tokens(matcher, engine.config.vocab_size) == [think]
+    assert matcher.consume_token(think) and not matcher.is_error()
+    assert matcher.consume_tokens(tokenizer.encode("x", add_special_tokens=False))
+    assert matcher.is_accepting()
+    # The same text in pieces matches too: the token is text to the grammar.
+    pieces = tokenizer.encode("<", add_special_tokens=False) + tokenizer.encode(
+        "think>x", add_special_tokens=False
+    )
+    fresh = engine.grammars.matcher(StructuredOutput(kind="regex", spec="<think>x"), eos)
+    assert think not in pieces and fresh.validate_tokens(pieces) == len(pieces)
+
+
+def test_a_special_tokens_text_in_a_grammar_is_text_not_the_token(model_dir):
+    """`<|im_end|>` written in a regex is its characters: the forced tokens spell it, the
+    special token itself is refused; a Lark grammar names the token as `<|im_end|>`."""
+    engine = make_engine(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    text = StructuredOutput(kind="regex", spec=r"a<\|im_end\|>")
+    matcher = engine.grammars.matcher(text, [im_end])
+    tokens = walk_forced(matcher, engine.config.vocab_size)
+    assert im_end not in tokens and tokenizer.decode(tokens) == "a<|im_end|>"
+    refused = engine.grammars.matcher(text, [im_end])
+    assert refused.validate_tokens([*tokenizer.encode("a", add_special_tokens=False), im_end]) == 1
+    named = engine.grammars.matcher(StructuredOutput(kind="grammar", spec="start: <|im_end|>"),
+                                    [im_end])  # fmt: skip
+    assert allowed_tokens(named, engine.config.vocab_size) == [im_end]
+
+
+def test_a_lark_grammar_naming_a_non_special_added_token_is_refused_clearly(model_dir):
+    engine = make_engine(model_dir)
+    with pytest.raises(InvalidRequestError, match='unknown special token: "<think>"'):
+        engine.grammars.matcher(StructuredOutput(kind="grammar", spec="start: <think>"), [7])
+
+
+@pytest.mark.parametrize("kind", list(TAGGED))
+def test_answers_holding_added_tokens_text_finish_and_match(model_dir, kind):
+    """Sampled answers (several seeds, batched) end with "stop", never "error", and decode
+    to text their constraint accepts."""
+    engine = make_engine(model_dir, max_num_seqs=8)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    eos = [tokenizer.token_to_id("<|im_end|>")]
+    output = TAGGED[kind]
+    for seed in range(6):
+        engine.add_request(EngineRequest(request_id=str(seed), prompt_token_ids=[5, 9, seed],
+                                         params=constrained(output, seed), eos_token_ids=eos,
+                                         arrival_time=0.0))  # fmt: skip
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+    assert set(reasons.values()) == {"stop"}, reasons
+    for ids in tokens.values():
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        if kind == "regex":
+            assert re.fullmatch(r"<think>[a-z]{1,8}</think>\n?[a-z]{1,4}(<\|im_end\|>)?", text)
+        elif kind == "json_schema":
+            answer = json.loads(text.removesuffix("<|im_end|>"))
+            assert answer["call"] == "<tool_call>x</tool_call>", text
+            assert answer["end"] in ("<|im_end|>", "<think>"), text
+        else:
+            assert re.fullmatch(r"<think>[a-z]{1,6}</think><\|im_end\|>", text), text
+
+
+def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> list[int]:
+    logits = torch.zeros(1, vocab)
+    return torch.isfinite(mask_logits(logits, [0], [matcher])[0]).nonzero().flatten().tolist()
+
+
+def walk_forced(matcher: llguidance.LLMatcher, vocab: int, limit: int = 64) -> list[int]:
+    """The tokens a grammar with one answer forces, each the lowest allowed, to its end."""
+    tokens: list[int] = []
+    while not matcher.is_stopped() and len(tokens) < limit:
+        token = allowed_tokens(matcher, vocab)[0]
+        assert matcher.consume_token(token), matcher.get_error()
+        tokens.append(token)
+    return tokens

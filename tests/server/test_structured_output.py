@@ -120,3 +120,67 @@ def test_a_regex_digit_class_means_ascii_digits(regex, expected):
     """`\\d` in a regex is [0-9], as vLLM's xgrammar and JSON Schema read it; an escaped
     backslash before a `d` is left alone."""
     assert ascii_digits(regex) == expected
+
+
+# Qwen's `<think>`, `</think>`, `<tool_call>` are added tokens that are not special: text to a
+# grammar, which the model may write as the one token. A grammar holding them failed every
+# request with a 500 after its first token.
+THINK_REGEX = r"<think>[a-z]{1,8}</think>"
+TAGS = ["<tool_call>", "</think>", "<|im_end|>"]
+TAGGED_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["tag"],
+                 "properties": {"tag": {"enum": TAGS}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("extra", "check"),
+    [
+        ({"structured_outputs": {"regex": THINK_REGEX}},
+         lambda text: re.fullmatch(THINK_REGEX, text)),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "tag", "schema": TAGGED_SCHEMA}}},
+         lambda text: jsonschema.validate(json.loads(text), TAGGED_SCHEMA) is None),
+    ],
+    ids=["regex", "json_schema"],
+)  # fmt: skip
+def test_chat_constraints_holding_added_tokens_text(server, extra, check, stream):
+    """The server splits Qwen3's thinking off (its line's reasoning parser): the answer is the
+    thinking back in its tags, then the content."""
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Think."}],
+            "max_tokens": 60, "seed": 3, "n": 3, "stream": stream, **extra}  # fmt: skip
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    reasonings, contents, reasons = [""] * 3, [""] * 3, [None] * 3
+    if stream:
+        choices = [c for p in sse_payloads(response.content) for c in p["choices"]]
+        messages = [c["delta"] for c in choices]
+    else:
+        choices = response.json()["choices"]
+        messages = [c["message"] for c in choices]
+    for choice, message in zip(choices, messages, strict=True):
+        reasonings[choice["index"]] += message.get("reasoning_content") or ""
+        contents[choice["index"]] += message.get("content") or ""
+        reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    assert reasons == ["stop"] * 3
+    for reasoning, content in zip(reasonings, contents, strict=True):
+        text = (f"<think>{reasoning}</think>" if reasoning else "") + content
+        assert check(text), text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"structured_outputs": {"grammar": "start: <think>"}},
+         'unknown special token: \\"<think>\\"'),
+        ({"guided_regex": "a[^\\s\\S]"}, "no answer can satisfy it"),
+        ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "Unsatisfiable"),
+    ],
+    ids=["lark-names-a-text-token", "empty-regex", "empty-schema"],
+)  # fmt: skip
+def test_a_grammar_nothing_can_satisfy_is_a_clear_400(server, extra, message):
+    """A Lark grammar naming `<think>` as a special token (it is text), and constraints no
+    text matches."""
+    body = {"prompt": "x", "max_tokens": 5, **extra}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert_error(response, 400)
+    assert message in response.text, response.text

@@ -188,6 +188,32 @@ def test_forced_tool_choice_is_decoded_into_calls(tool_server, choice, stream):
     assert not stream or pieces > 3
 
 
+TAG_TOOL = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["open", "close"],
+    "properties": {"open": {"enum": ["<tool_call>", "<think>"]},
+                   "close": {"const": "</tool_call>"}}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["required", "tag"])
+def test_forced_arguments_holding_qwens_tags(tool_server, choice):
+    """Arguments whose values are the text of Qwen's added tokens (`<tool_call>` ...), which
+    the model may write as the one token: the request failed after its first tokens."""
+    tool_choice = choice if choice == "required" else {"type": "function",
+                                                       "function": {"name": choice}}  # fmt: skip
+    client = openai.OpenAI(base_url=tool_server.base_url, api_key="none")
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=tool_server.model, tools=[TAG_TOOL], tool_choice=tool_choice, max_tokens=120,
+            seed=seed, temperature=1.0, messages=[{"role": "user", "content": "Tag it."}],
+        )  # fmt: skip
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert reply.choices[0].message.tool_calls
+        for call in reply.choices[0].message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            assert call.function.name == "tag" and arguments["close"] == "</tool_call>"
+            assert arguments["open"] in ("<tool_call>", "<think>")
+
+
 def _nested_tool(name: str, field: str, model: dict) -> dict:
     """A tool as pydantic writes a nested model: the model in $defs, used through $ref."""
     parameters = {

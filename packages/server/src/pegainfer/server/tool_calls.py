@@ -721,23 +721,30 @@ class GlmToolCalls(TaggedToolCalls):
         rules = []
         for i, function in enumerate(names):
             arguments = _glm_argument_rules(f"args{i}", parameters_schema(functions[function]))
-            rules += [f"call{i}: {_GLM_CALL_BEGIN} {json.dumps(function)} args{i} {_GLM_CALL_END}",
-                      *arguments]  # fmt: skip
+            call = f"call{i}: {_LARK_CALL_BEGIN} {json.dumps(function)} args{i} {_LARK_CALL_END}"
+            rules += [call, *arguments]
         repeat = "+" if parallel and name is None else ""
         grammar = "\n".join([
             f"start: call{repeat}",
             "call: " + " | ".join(f"call{i}" for i in range(len(names))),
             *rules,
-            f"TEXT: {_BARE_TEXT}",
+            f"VALUE: {_BARE_VALUE}",
             "KEY: /[^<>]+/",
         ])  # fmt: skip
         return StructuredOutput(kind="grammar", spec=grammar)
 
 
-# GLM's tags are tokens of their own (a grammar names them as such: llguidance counts every
-# added token special); a bare value is any text that does not write one of the closing tags.
-_GLM_CALL_BEGIN, _GLM_CALL_END = GlmToolCalls.start_tag, GlmToolCalls.end_tag
+# GLM's tags are added tokens that are not special, so a grammar holds them as text (quoted
+# Lark strings): the model writes each as its one token or, read alike, in pieces. A bare
+# value is any text that does not write one of the closing tags, lexed with the tag that ends
+# it: a lexeme of the text alone would take the tag's first characters too (lexemes are
+# greedy, and `</arg_value` is text), leaving a `>` no rule allows.
+_GLM_CALL_END = GlmToolCalls.end_tag
+_LARK_CALL_BEGIN, _LARK_CALL_END = json.dumps(GlmToolCalls.start_tag), json.dumps(_GLM_CALL_END)
+_LARK_ARG_KEY, _LARK_ARG_KEY_END = json.dumps(_ARG_KEY), json.dumps(_ARG_KEY_END)
+_LARK_ARG_VALUE, _LARK_ARG_VALUE_END = json.dumps(_ARG_VALUE), json.dumps(_ARG_VALUE_END)
 _BARE_TEXT = r"/(?s:.*)/ & ~/(?s:.*)(<\/arg_value>|<\/tool_call>)(?s:.*)/"
+_BARE_VALUE = f"({_BARE_TEXT}) {_LARK_ARG_VALUE_END}"
 # The keywords a bare string value can be held to; others (a pattern, a format) would need
 # JSON's quoted strings, which GLM does not write.
 _BARE_STRING_KEYWORDS = frozenset({"type", "enum", "const", "minLength", "maxLength",
@@ -750,7 +757,7 @@ def _glm_argument_rules(rule: str, parameters: dict[str, Any]) -> list[str]:
     if not properties:  # no declared parameters: any, unless the schema allows none
         if parameters.get("additionalProperties") is False:
             return [f'{rule}: ""']
-        return [f"{rule}: ({_ARG_KEY} KEY {_ARG_KEY_END} {_ARG_VALUE} TEXT {_ARG_VALUE_END})*"]
+        return [f"{rule}: ({_LARK_ARG_KEY} KEY {_LARK_ARG_KEY_END} {_LARK_ARG_VALUE} VALUE)*"]
     required = set(parameters.get("required") or ())
     order = [k for k in properties if k in required] + [k for k in properties if k not in required]
     rules, parts = [], []
@@ -758,18 +765,18 @@ def _glm_argument_rules(rule: str, parameters: dict[str, Any]) -> list[str]:
     for j, key in enumerate(order):
         value = f"{rule}_{j}"
         rules.append(f"{value}: {_glm_value(value.upper(), key, properties[key], defs, rules)}")
-        pair = f"{_ARG_KEY} {json.dumps(key)} {_ARG_KEY_END} {_ARG_VALUE} {value} {_ARG_VALUE_END}"
+        pair = f"{_LARK_ARG_KEY} {json.dumps(key)} {_LARK_ARG_KEY_END} {_LARK_ARG_VALUE} {value}"
         parts.append(pair if key in required else f"({pair})?")
     return [f"{rule}: " + " ".join(parts), *rules]
 
 
 def _glm_value(terminal: str, key: str, schema: Any, defs: dict[str, Any], rules: list[str]) -> str:
-    """The Lark expansion of one parameter's value (a terminal it needs, named `terminal`, is
-    added to `rules`)."""
+    """The Lark expansion of one parameter's value and its closing tag (a terminal it needs,
+    named `terminal`, is added to `rules`)."""
     if _admitted(schema) != {"string"}:  # written as JSON (what the parser reads it as)
         compact = {"x-guidance": {"whitespace_flexible": False}}
         schema = (schema if isinstance(schema, dict) else {}) | defs | compact
-        return f"%json {json.dumps(schema)}"
+        return f"%json {json.dumps(schema)} {_LARK_ARG_VALUE_END}"
     unsupported = sorted(set(schema) - _BARE_STRING_KEYWORDS)
     if unsupported:
         raise InvalidRequestError(
@@ -777,12 +784,13 @@ def _glm_value(terminal: str, key: str, schema: Any, defs: dict[str, Any], rules
             "GLM writes string values bare, not as JSON strings", "tool_choice")  # fmt: skip
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        return "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in values) + ")"
+        choices = " | ".join(json.dumps(v, ensure_ascii=False) for v in values)
+        return f"({choices}) {_LARK_ARG_VALUE_END}"
     low, high = schema.get("minLength"), schema.get("maxLength")
     if low is None and high is None:
-        return "TEXT"
+        return "VALUE"
     length = f"{{{int(low or 0)},{'' if high is None else int(high)}}}"
-    rules.append(f"{terminal}: /(?s:.{length})/ & {_BARE_TEXT}")
+    rules.append(f"{terminal}: (/(?s:.{length})/ & {_BARE_TEXT}) {_LARK_ARG_VALUE_END}")
     return terminal
 
 

@@ -35,6 +35,7 @@ import msgspec
 
 from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.process_info import release_freed_memory
+from pegainfer.core.sampling.grammar_tokenizer import GrammarVocabulary
 
 if TYPE_CHECKING:
     import llguidance
@@ -103,8 +104,9 @@ def _check(kind: Kind, grammar: str) -> None:
 
 
 class Grammars:
-    """The model's tokenizer as llguidance sees it (built on first use, for each set of EOS
-    tokens: a completed grammar allows exactly the request's EOS tokens), and matchers.
+    """The model's tokenizer as llguidance sees it (`grammar_tokenizer.py`; built on first
+    use, for each set of EOS tokens: a completed grammar allows exactly the request's EOS
+    tokens), and matchers.
 
     Compiling a grammar against the tokenizer takes tens of milliseconds for a large schema;
     each compiled matcher is kept (the most recent `_COMPILED` of them) and requests get fresh
@@ -123,24 +125,18 @@ class Grammars:
         self._lock = threading.Lock()
 
     @cached_property
-    def _tokenizer_json(self) -> str:
-        return self._load_tokenizer().to_json()
+    def _vocabulary(self) -> GrammarVocabulary:
+        return GrammarVocabulary(self._load_tokenizer(), self.vocab_size)
 
     def tokenizer(self, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
-        import llguidance
-
         key = tuple(eos_token_ids)
         with self._lock:
             tokenizer = self._tokenizers.get(key)
             if tokenizer is not None:
                 return tokenizer
-            # No EOS at all (token-id clients may send none): llguidance's guess from the
-            # tokenizer stands in; the request then ends by length or its grammar's last token.
-            tokenizer = self._tokenizers[key] = llguidance.LLTokenizer(
-                self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(key) or None
-            )
-        # Loading the tokenizer to write its JSON (in the engine's process) and parsing that
-        # leave ~100 MB of freed heap behind for Qwen3's vocabulary.
+            tokenizer = self._tokenizers[key] = self._vocabulary.llguidance_tokenizer(list(key))
+        # Loading the tokenizer (in the engine's process) to read its tokens' bytes leaves
+        # ~100 MB of freed heap behind for Qwen3's vocabulary.
         release_freed_memory()
         return tokenizer
 
@@ -170,6 +166,8 @@ class Grammars:
             matcher.compute_logit_bias()
         if matcher.is_error():
             error = matcher.get_error().split("\n", 1)[0]
+            if error == "NoExtensionBias":  # llguidance's word for a first mask allowing nothing
+                error = "no answer can satisfy it (no token can begin text it accepts)"
             raise InvalidRequestError(f"invalid {output.kind}: {error}", output.kind)
         return matcher
 

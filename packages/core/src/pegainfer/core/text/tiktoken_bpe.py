@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from pegainfer.core.text.token_bytes import bytes_to_unicode
+
 
 def read_tiktoken_ranks(ranks_file: Path) -> dict[bytes, int]:
     """The token bytes -> rank table of a tiktoken ranks file (`BASE64 RANK` per line)."""
@@ -63,7 +65,7 @@ def convert_tiktoken_bpe(
     if missing := [bytes([b]) for b in range(256) if bytes([b]) not in ranks]:
         raise ValueError(f"every single byte must be a token; missing {missing[:8]}")
 
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
 
     def spell(token: bytes) -> str:
         return "".join(byte_to_char[b] for b in token)
@@ -107,7 +109,7 @@ def byte_level_bpe_ranks(tokenizer: Tokenizer) -> dict[bytes, int]:
     model = json.loads(tokenizer.to_str())["model"]
     if model["type"] != "BPE":
         raise ValueError(f"expected a BPE model, got {model['type']}")
-    char_to_byte = {char: byte for byte, char in _bytes_to_unicode().items()}
+    char_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
     ranks = {bytes([b]): b for b in range(256)}
     for merge in model["merges"]:
         left, right = merge.split(" ") if isinstance(merge, str) else merge
@@ -159,18 +161,3 @@ def _add_tokens(
             tokenizer.add_special_tokens([token])
         else:
             tokenizer.add_tokens([token])
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map of the 256 byte values to printable characters, which byte-level BPE
-    vocabularies are spelled in: printable Latin-1 bytes stand for themselves, the others are
-    shifted past U+0100."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = {b: chr(b) for b in printable}
-    shifted = (b for b in range(256) if b not in chars)
-    chars |= {b: chr(256 + n) for n, b in enumerate(shifted)}
-    return dict(sorted(chars.items()))
