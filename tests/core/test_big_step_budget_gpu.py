@@ -15,6 +15,7 @@ import torch
 from pegainfer.core.args import EngineArgs
 from pegainfer.core.engine.core import EngineCore
 from pegainfer.core.runner.forward_batch import ForwardBatch
+from pegainfer.core.runner.memory import pieces_bytes_per_token
 from pegainfer.core.runner.mixed_buckets import first_token_buckets, token_buckets
 from tests.core.test_warmup_gpu import WRITERS
 from tests.qwen3.golden_gate import assert_pieces_match_eager
@@ -61,6 +62,17 @@ def test_a_big_budget_starts_with_the_short_pieces_and_runs_big_steps_eagerly(
         # A bucket past the first ones: the step captures it, and its pieces match eager.
         assert_pieces_match_eager(engine, (400,))  # 403 tokens: bucket 512
         assert 512 in pieces.captured and pieces.pending == [384]
+
+        # What KV sizing reserved for the pieces: every bucket holds its cuts' inputs and its
+        # final states, `pieces_bytes_per_token` a token (the idle engine's capture of 384).
+        bs, model = engine.config.block_size, engine.model
+        per_token = pieces_bytes_per_token(model, model.kv_arenas(bs), model.state_arenas(), bs,
+                                           torch.device("cuda"))  # fmt: skip
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        assert engine.capture_pending_graph() and not pieces.pending  # decode graphs: all first
+        grown = torch.cuda.memory_allocated() - before
+        assert 384 * per_token <= grown <= 1.25 * 384 * per_token + (2 << 20), (grown, per_token)
 
         # Past the cap: eager, the same kernels as the model's own forward.
         batch = step_past_the_cap(engine, 3000)

@@ -25,10 +25,11 @@ from pegainfer.core.runner.mixed_buckets import (
     token_buckets,
 )
 from pegainfer.core.runner.model_runner import ModelRunner
-from pegainfer.core.runner.piecewise_graphs import MixedGraphs
+from pegainfer.core.runner.piecewise_graphs import MixedGraphs, held_bytes_per_token
 from pegainfer.models.qwen3.line import Qwen3Line
 from pegainfer.server.bench.make_checkpoint import SHAPES
 from pegainfer.server.bench.memory_plan import Layout, build_on_meta, shape_config
+from tests.engine_harness import make_engine
 
 # Qwen3-4B's config.json (`make-checkpoint qwen3-4b` would write its 8 GB of weights too).
 QWEN3_4B = SHAPES["qwen3-4b"] | {"model_type": "qwen3", "vocab_size": 151936}
@@ -193,3 +194,16 @@ def test_the_cap_flag_is_refused_past_the_budget_and_where_no_pieces_are_capture
     with pytest.raises(ConfigError, match="does not capture"):
         EngineCore(EngineArgs(model=str(tmp_path), device="cpu", max_model_len=128,
                               max_mixed_graph_tokens=512))  # fmt: skip
+
+
+def test_the_pieces_hold_each_cuts_inputs_and_the_final_states_per_token(tmp_path):
+    """What KV sizing reserves for every bucket's pieces: a tiny Qwen3 (float32 on the CPU)
+    holds each layer's queries and the two final states, per token."""
+    Qwen3Line().write_tiny_checkpoint(tmp_path, seed=3)
+    engine = make_engine(tmp_path)
+    cfg, model = engine.model.cfg, engine.model
+    batch = ForwardBatch.build([list(range(3, 40))], [0], [list(range(10))], [True], 4,
+                               torch.device("cpu"))  # fmt: skip
+    queries = cfg.num_layers * cfg.num_heads * cfg.head_dim * 4
+    assert held_bytes_per_token(model, batch, engine.kv_cache) == queries + 2 * cfg.hidden_size * 4
+    assert all(cut.split is None for cut in model.piecewise_cuts())

@@ -331,6 +331,12 @@ class EngineCore:
         if self.precompile is not None:  # before any step compiles, or memory is measured
             self._startup.mark(f"kernels compiled: {self.precompile.wait()}")
         self.model.init_runtime(runtime)
+        # The pieces' token buckets, up to where steps stop being launch-bound (mixed_buckets.py).
+        tokens: tuple[int, ...] = ()
+        if mixed_graphs:
+            cap = graph_token_cap(self.model, args.max_num_batched_tokens,
+                                  args.max_mixed_graph_tokens)  # fmt: skip
+            tokens = token_buckets(cap)
         self.generator = torch.Generator(device).manual_seed(args.seed)
         # Before the arenas are read: a line's drafter may bring its own (an MTP layer's KV).
         drafter = self._drafter(args, line, context) if args.speculative_tokens else None
@@ -352,7 +358,7 @@ class EngineCore:
                      if states else 0)  # fmt: skip
         state_bytes = num_slots * sum(spec.bytes_per_slot for spec in states)
         num_blocks = args.num_kv_blocks or self._default_num_blocks(
-            args, specs, device, max_model_len, num_slots, mixed_graphs
+            args, specs, device, max_model_len, num_slots, tokens
         )
         self._startup.mark(f"KV cache sized: {num_blocks} blocks")
         if num_blocks * args.block_size < max_model_len + lookahead:
@@ -386,11 +392,6 @@ class EngineCore:
             _check_forward(line, self.runner, args.block_size, bool(states))
         captured: tuple[int, ...] = ()  # the decode graphs' buckets captured before serving
         if buckets:
-            tokens = ()
-            if mixed_graphs:  # up to where steps stop being launch-bound (mixed_buckets.py)
-                cap = graph_token_cap(self.model, args.max_num_batched_tokens,
-                                      args.max_mixed_graph_tokens)  # fmt: skip
-                tokens = token_buckets(cap)
             # One process captures the rest of the decode graphs while it serves.
             graph_spec = GraphSpec(buckets, num_blocks, num_slots - 1 if states else None, tokens,
                                    lazy=self.ranks is None)  # fmt: skip
@@ -568,7 +569,7 @@ class EngineCore:
         device: torch.device,
         max_model_len: int,
         num_slots: int,
-        mixed_graphs: bool,
+        mixed_step_tokens: tuple[int, ...],
     ) -> int:
         given = args.kv_cache_memory_bytes
         if device.type == "cpu":
@@ -582,7 +583,7 @@ class EngineCore:
             return given_gpu_kv_blocks(specs, state_bytes, given, device)
         sizing = KVSizing(args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
                           max_model_len, args.gpu_memory_utilization, num_slots,
-                          mixed_graphs)  # fmt: skip
+                          mixed_step_tokens)  # fmt: skip
 
         def fit() -> int:
             return fit_kv_blocks(self.model, sizing, device)

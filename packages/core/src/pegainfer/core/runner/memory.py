@@ -2,8 +2,10 @@
 
 On a GPU, after the weights are loaded, one worst-case step (a full-budget prefill, and
 sampling at the full batch width) runs on a scratch cache; its peak, the recurrent state, the
-transient memory the model declares (`Model.transient_bytes`), the weights and a reserve for
-CUDA graphs come off the memory `gpu_memory_utilization` allows, and the rest becomes KV blocks.
+transient memory the model declares (`Model.transient_bytes`), the weights, a reserve for
+CUDA graphs and what the mixed steps' pieces hold (a step's peak again, and the inputs of
+their cuts for every token bucket, measured on a short step) come off the memory
+`gpu_memory_utilization` allows, and the rest becomes KV blocks.
 
 On the CPU (`cpu_kv_blocks`) the cache is allocated and zeroed up front, so every byte of it
 is resident from the start: it gets what the user gives it (`--cpu-kv-cache-gib`) or, by
@@ -32,6 +34,7 @@ from pegainfer.core.kv.kv_cache import (
 from pegainfer.core.model import Model
 from pegainfer.core.process_info import release_freed_memory, rss_bytes
 from pegainfer.core.runner.forward_batch import ForwardBatch
+from pegainfer.core.runner.piecewise_graphs import held_bytes_per_token
 from pegainfer.core.sampling.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -117,6 +120,25 @@ def profile_step_peak(
     return peak
 
 
+def pieces_bytes_per_token(
+    model: Model, specs: list[ArenaSpec], states: list[StateSpec], block_size: int,
+    device: torch.device,
+) -> int:  # fmt: skip
+    """`held_bytes_per_token` of the model's pieces, on a 16-token prompt over a scratch
+    cache."""
+    tokens = 16
+    pages = -(-tokens // block_size)
+    scratch = KVCache(specs, pages, device, states, 1)
+    batch = ForwardBatch.build([[0] * tokens], [0], [list(range(pages))], [True], block_size,
+                               device, state_slots=[0])  # fmt: skip
+    with torch.inference_mode():
+        held = held_bytes_per_token(model, batch, scratch)
+    del scratch, batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return held
+
+
 def cpu_kv_blocks(
     specs: list[ArenaSpec],
     block_size: int,
@@ -169,9 +191,10 @@ class KVSizing:
     gpu_memory_utilization: float
     #: Recurrent-state slots the cache holds beside the blocks.
     num_slots: int
-    #: Whether piecewise graphs for mixed steps are captured after the cache is allocated:
-    #: their private pool holds a step's activations again, bounded by the step's peak.
-    mixed_step_graphs: bool = False
+    #: The token buckets of the piecewise graphs of mixed steps captured after the cache is
+    #: allocated (none: no pieces). Their private pool holds a step's activations again,
+    #: bounded by the step's peak, and every bucket's held inputs (`held_bytes_per_token`).
+    mixed_step_tokens: tuple[int, ...] = ()
 
 
 def fit_kv_blocks(model: Model, sizing: KVSizing, device: torch.device) -> int:
@@ -183,7 +206,10 @@ def fit_kv_blocks(model: Model, sizing: KVSizing, device: torch.device) -> int:
         model, specs, states, sizing.block_size, sizing.max_num_batched_tokens,
         sizing.max_num_seqs, sizing.max_model_len, device,
     )  # fmt: skip
-    held = peak * (1 + sizing.mixed_step_graphs) + state_bytes + model.transient_bytes
+    held = peak + state_bytes + model.transient_bytes
+    if sizing.mixed_step_tokens:
+        per_token = pieces_bytes_per_token(model, specs, states, sizing.block_size, device)
+        held += peak + per_token * sum(sizing.mixed_step_tokens)
     return plan_gpu_kv(specs, sizing.gpu_memory_utilization, held, device).num_blocks
 
 

@@ -6,13 +6,17 @@ kernels from Python (issue 19's profile: ~1,000 launches at 27-48 us each, ~30 m
 for Qwen3-4B), and under async scheduling that work overlaps the step before it on the GPU. Once
 a step's GPU time clearly exceeds its eager launch time, a graph saves nothing the overlap does
 not already hide, and costs a capture (an eager forward of the bucket and its segments' capture,
-tens of ms each) and pool memory. So the buckets stop at `launch_bound_tokens`, the token count
-at which a step's matmuls alone, at a conservative matmul rate, take as long as an eager step's
-launches; larger steps run eagerly. Below it the buckets are powers of two up to 256 (where the
-step is launch-bound and padding costs little), then 1.5x steps (2^k and 3 * 2^(k-1): padding at
-most 1.5x where the GPU time starts to count), so a budget of any size has at most two buckets
-per doubling up to the cap: ten for Qwen3-4B where every 256 tokens up to an 8,192-token budget
-made 37 and a start of minutes.
+tens of ms each) and pool memory: each bucket's pieces keep their cuts' inputs (every layer's
+queries) and final states for good, 298 KiB a token for Qwen3-4B (`held_bytes_per_token`), so
+the pool grows with the sum of the buckets: about 40 GB for every 256 tokens up to an
+8,192-token budget, 1.4 GB for the ten buckets up to 1,536 planned here (KV sizing reserves it:
+`runner/memory.py`). So the buckets stop at `launch_bound_tokens`, the token count at which a
+step's matmuls alone, at a conservative matmul rate, take as long as an eager step's launches;
+larger steps run eagerly. Below it the buckets are powers of two up to 256 (where the step is
+launch-bound and padding costs little), then 1.5x steps (2^k and 3 * 2^(k-1): padding at most
+1.5x where the GPU time starts to count), so a budget of any size has at most two buckets per
+doubling up to the cap: ten for Qwen3-4B where every 256 tokens up to an 8,192-token budget made
+37 (a start that did not finish in minutes).
 
 The buckets up to `FIRST_MAX_TOKENS` (short prompts, prefix-hit tails: the steps a lightly
 loaded server runs) are captured before the engine is ready; a step whose bucket is still
