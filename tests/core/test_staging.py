@@ -26,6 +26,7 @@ from pegainfer.core.loading.safetensors_index import DTYPES, StoredTensor, read_
 from pegainfer.core.loading.staging import CheckpointCopies
 from pegainfer.core.model import ModelContext
 from pegainfer.core.model_line import ModelLine
+from pegainfer.core.process_info import rss_bytes
 
 CPU = torch.device("cpu")
 
@@ -270,3 +271,18 @@ def test_every_line_loads_as_the_plain_loader_does(
     for key, tensor in ours.items():
         assert tensor.dtype == plain[key].dtype, key
         assert torch.equal(as_bytes(tensor), as_bytes(plain[key])), key
+
+
+def test_nothing_of_the_staging_stays_resident_after_a_load(tmp_path):
+    """48 MiB read through a 64 MiB staging buffer (resident as it is written): once the
+    copies are closed, the process holds no more than it did before (the buffers were freed)."""
+    save_file({f"w{i}": torch.randn(1024, 1024) for i in range(12)}, tmp_path / "w.safetensors")
+    tensors = read_index(tmp_path / "w.safetensors")
+    dst = {t.name: torch.zeros(t.shape) for t in tensors}  # resident before the load
+    before = rss_bytes()
+    with CheckpointCopies(CPU) as copies:
+        for tensor in tensors:
+            copies.copy(dst[tensor.name], tensor)
+    assert rss_bytes() - before < 8 << 20
+    with safe_open(tmp_path / "w.safetensors", "pt") as f:
+        assert all(torch.equal(dst[name], f.get_tensor(name)) for name in dst)
