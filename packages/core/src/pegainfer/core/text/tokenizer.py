@@ -8,24 +8,20 @@ the tests hold this module to it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.loading.model_files import read_json_object
 from pegainfer.core.text.length_bound import max_chars_per_token, min_tokens
+
+if TYPE_CHECKING:
+    import jinja2
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -80,13 +76,13 @@ class Tokenizer:
         named = {backend.token_to_id(t) for t in self._special_tokens.values()}
         self.special_token_ids: frozenset[int] = frozenset(added_special | named)
 
-        env = _template_environment()
         self._chat_templates: dict[str, jinja2.Template] = {}
-        for name, source in (chat_templates or {}).items():
-            try:
-                self._chat_templates[name] = env.from_string(source)
-            except jinja2.TemplateSyntaxError as e:
-                raise ConfigError(f"chat template {name!r} is not valid Jinja: {e}") from e
+        if chat_templates:
+            # Jinja loads only for a tokenizer with templates to compile (a tenth of a second:
+            # the engine process, which tokenizes only for grammars, does it off its start).
+            from pegainfer.core.text.chat_template import compile_templates
+
+            self._chat_templates = compile_templates(chat_templates)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -201,17 +197,9 @@ class Tokenizer:
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,
         }
-        try:
-            return template.render(**variables)
-        except InvalidRequestError:
-            raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
-            # Templates read messages without checking them; a malformed conversation (a missing
-            # role, content of the wrong type) surfaces as an error from inside the template,
-            # which is the request's fault, not the server's.
-            raise InvalidRequestError(
-                f"the chat template cannot render these messages: {e}", "messages"
-            ) from e
+        from pegainfer.core.text.chat_template import render
+
+        return render(template, variables)
 
     def _select_template(self, tools: list[dict] | None) -> jinja2.Template:
         if not self._chat_templates:
@@ -288,53 +276,3 @@ def _prepare_message(message: object) -> dict[str, Any]:
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept transformers' `{% generation %}...{% endgeneration %}` blocks and render their body.
-
-    transformers uses the tag to build assistant-token masks for training; several published chat
-    templates contain it, and plain Jinja would reject them as syntax errors.
-    """
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> None:
-    raise InvalidRequestError(str(message), "messages")
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own `tojson` escapes <, >, & and ' for HTML and sorts keys; chat templates expect the
-    # plain JSON that transformers' override produces.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _template_environment() -> ImmutableSandboxedEnvironment:
-    """The Jinja environment transformers renders chat templates in: a sandbox (templates come
-    with downloaded checkpoints), block trimming, loop controls, and the same helpers."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
