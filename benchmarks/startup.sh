@@ -12,6 +12,10 @@
 #          kernel caches warm and the page cache dropped; each records the time to
 #          /health 200, the idle RSS of the process tree, GPU memory and the server's start-up
 #          phases (time and RSS).
+# floor:   benchmarks/rss_floor.py --glibc (the resident floor of torch, CUDA, cuBLAS, FlashInfer,
+#          Triton and a graph, step by step) and benchmarks/weight_load.py on the Qwen3-4B
+#          checkpoint from the page cache (load GB/s by reader threads, beside the page cache's
+#          and the bus's rates); seconds each. Not in the default STAGES: STAGES=floor.
 # Without CACHE_DIR the caches `.gpu/on-device.sh` restored in ~ go unused (the first cold run
 # fills a fresh one); CACHE_DIR=~ makes the warm and disk-cold runs use them (with
 # COLD_RUNS=0: a warm-only pass, no compiling). A line whose checkpoint is missing is written first (seconds to a minute; not timed;
@@ -45,6 +49,15 @@ for stage in $STAGES; do
         tests/core/test_lazy_graphs_gpu.py tests/core/test_early_cuda.py ${MORE_TESTS:-} \
         > "$OUT/tests.log" 2>&1
       echo "tests: exit $? ($(tail -1 "$OUT/tests.log"))"
+      ;;
+    floor)
+      python3 benchmarks/rss_floor.py --glibc --json "$OUT/rss_floor.json" > "$OUT/rss_floor.log" 2>&1
+      echo "rss_floor: exit $?"; cat "$OUT/rss_floor.log"
+      checkpoint qwen3-4b /tmp/qwen3-4b
+      cat /tmp/qwen3-4b/*.safetensors > /dev/null  # into the page cache
+      timeout 300 python3 benchmarks/weight_load.py /tmp/qwen3-4b --readers 1 4 8 --repeat 2 \
+        > "$OUT/weight_load.log" 2>&1
+      echo "weight_load: exit $?"; cat "$OUT/weight_load.log"
       ;;
     startup)
       for shape in $SHAPES; do

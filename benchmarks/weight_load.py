@@ -1,6 +1,7 @@
 """How fast a checkpoint's weights reach the GPU, beside what the machine allows (issue 21).
 
     python benchmarks/weight_load.py MODEL_DIR [--readers 1 4 8] [--buffer-mib 64] [--repeat 2]
+                                               [--device cuda]
 
 For each number of reader threads and staging buffer size: the line's `build_model` (meta
 model, device storage, `load_weights` through `CheckpointCopies`), timed to the last copy, in
@@ -68,21 +69,27 @@ def host_to_device_rate(nbytes: int = 1 << 30) -> float:
     return 3 * nbytes / (time.perf_counter() - start) / _GB
 
 
-def load_seconds(model_dir: Path, readers: int, buffer_bytes: int) -> tuple[float, int]:
+def load_seconds(
+    model_dir: Path, readers: int, buffer_bytes: int, device: torch.device
+) -> tuple[float, int]:
     config = read_config(model_dir)
     line = detect_model_line(config, model_lines())
     weights_module.CheckpointCopies = partial(CheckpointCopies, buffer_bytes=buffer_bytes,
                                               readers=readers)  # fmt: skip
-    ctx = ModelContext(model_dir, config, torch.bfloat16, torch.device("cuda"))
-    torch.cuda.synchronize()
+    ctx = ModelContext(model_dir, config, torch.bfloat16, device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     model = line.build_model(ctx)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return seconds, nbytes
 
 
@@ -92,19 +99,23 @@ def main() -> None:
     parser.add_argument("--readers", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--buffer-mib", type=int, nargs="+", default=[64])
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--device", default="cuda", help="cpu: the reads and copies alone")
     options = parser.parse_args()
     files = checkpoint_files(options.model_dir)
     size = sum(f.stat().st_size for f in files)
     print(f"{options.model_dir}: {len(files)} files, {size / _GB:.2f} GB; "
           f"{os.cpu_count()} CPUs")  # fmt: skip
-    torch.zeros(1, device="cuda")
-    print(f"pinned host -> device: {host_to_device_rate():.1f} GB/s")
+    device = torch.device(options.device)
+    if device.type == "cuda":
+        torch.zeros(1, device=device)
+        print(f"pinned host -> device: {host_to_device_rate():.1f} GB/s")
     for readers in options.readers:
         print(f"page cache -> host, {readers} threads: {page_cache_rate(files, readers):.1f} GB/s")
     for buffer_mib in options.buffer_mib:
         for readers in options.readers:
             for attempt in range(options.repeat):
-                seconds, nbytes = load_seconds(options.model_dir, readers, buffer_mib << 20)
+                seconds, nbytes = load_seconds(options.model_dir, readers, buffer_mib << 20,
+                                               device)  # fmt: skip
                 print(f"build_model, {readers} readers, {buffer_mib} MiB buffers, run "
                       f"{attempt + 1}: {seconds:.2f} s, {nbytes / _GB / seconds:.1f} GB/s of "
                       f"{nbytes / _GB:.2f} GB parameters")  # fmt: skip
