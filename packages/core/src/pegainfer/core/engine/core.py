@@ -233,9 +233,11 @@ class EngineCore:
                 "(pegainfer.core.distributed.worker_node), not an engine"
             )
         device = torch.device(spec.device)
-        # The attention backends' library imports while the weights load (`_set_up` waits).
+        # The kernels' libraries import while the weights load (`_set_up` waits).
         self._backend_import = (
-            _import_in_background("flashinfer", self._startup) if device.type == "cuda" else None
+            _import_in_background(("triton", "flashinfer"), self._startup)
+            if device.type == "cuda"
+            else None
         )
         logger.info("Loading %s with model line %r on %s in %s", source.model_dir,
                     source.line.name, spec.device, spec.dtype)  # fmt: skip
@@ -951,17 +953,18 @@ def _start_precompile(
     return Precompile.start(plan, bounds, context.device, inputs)
 
 
-def _import_in_background(module: str, startup: StartupLog) -> threading.Thread:
-    """Import `module` on a thread of its own (an import of it elsewhere meanwhile waits for
-    this one: the import lock), marked in the start-up log when done; a failure is left to
-    that later import to raise."""
+def _import_in_background(modules: tuple[str, ...], startup: StartupLog) -> threading.Thread:
+    """Import `modules` in order on a thread of its own (an import of one elsewhere meanwhile
+    waits for this one: the import lock), each marked in the start-up log when done; a failure
+    is left to the later import that needs the module to raise."""
 
     def run() -> None:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(module)
-            startup.mark(f"{module} imported (on a thread)")
+        for module in modules:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
+                startup.mark(f"{module} imported (on a thread)")
 
-    thread = threading.Thread(target=run, name=f"pegainfer-import-{module}", daemon=True)
+    thread = threading.Thread(target=run, name="pegainfer-imports", daemon=True)
     thread.start()
     return thread
 
