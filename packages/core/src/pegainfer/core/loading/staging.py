@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 import os
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from tqdm import tqdm
 
 from pegainfer.core.errors import WeightLoadError
 from pegainfer.core.loading.safetensors_index import StoredTensor
+
+logger = logging.getLogger(__name__)
 
 BUFFER_BYTES = 64 << 20
 NUM_BUFFERS = 4
@@ -85,6 +89,7 @@ class CheckpointCopies:
     ) -> None:
         if num_buffers < 2 or buffer_bytes < _ALIGN or buffer_bytes % _ALIGN:
             raise ValueError(f"staging needs two buffers at least, of a multiple of {_ALIGN} bytes")
+        self._started = time.perf_counter()  # the buffers' registration included
         self.device = device
         self._cuda = device.type == "cuda"
         self._capacity = buffer_bytes
@@ -108,6 +113,7 @@ class CheckpointCopies:
         self._next_buffer = 0
         self._progress = tqdm(desc="Loading weights", unit="B", unit_scale=True,
                               disable=not progress)  # fmt: skip
+        self._copied_bytes = 0
 
     def __enter__(self) -> CheckpointCopies:
         return self
@@ -216,7 +222,9 @@ class CheckpointCopies:
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 self._copied[batch.buffer] = event
-        self._progress.update(sum(piece.nbytes for piece in batch.pieces))
+        nbytes = sum(piece.nbytes for piece in batch.pieces)
+        self._copied_bytes += nbytes
+        self._progress.update(nbytes)
 
     def _copy_piece(self, piece: _Piece, host: torch.Tensor) -> None:
         if not self._cuda:
@@ -264,6 +272,11 @@ class CheckpointCopies:
                 os.close(fd)
             self._files = {}
             self._progress.close()
+        if finish:
+            seconds = max(time.perf_counter() - self._started, 1e-6)
+            logger.info("weights: %.2f GB read and copied in %.2f s (%.1f GB/s; %d reader threads)",
+                        self._copied_bytes / 1e9, seconds, self._copied_bytes / 1e9 / seconds,
+                        self._readers)  # fmt: skip
 
 
 def _writable(tensor: torch.Tensor) -> memoryview:
