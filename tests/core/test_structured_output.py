@@ -265,3 +265,45 @@ def walk_forced(matcher: llguidance.LLMatcher, vocab: int, limit: int = 64) -> l
         assert matcher.consume_token(token), matcher.get_error()
         tokens.append(token)
     return tokens
+
+
+def run_one(engine, params: SamplingParams, eos: list[int]) -> tuple[list[int], str, str | None]:
+    """One request's output tokens, finish reason and error."""
+    engine.add_request(EngineRequest(request_id="one", prompt_token_ids=[5, 9, 11], params=params,
+                                     eos_token_ids=eos, arrival_time=0.0))  # fmt: skip
+    tokens, reason, error = [], None, None
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            reason, error = out.finish_reason or reason, out.error or error
+    return tokens, reason, error
+
+
+def test_forced_text_is_written_in_other_tokens_where_the_request_bans_its_own(model_dir):
+    """A grammar forces its text's canonical tokens; a request that bans those (bad_words,
+    allowed_token_ids) got a 500 after its first token. Such a request may write the text in
+    any tokens: only a ban that leaves none ends it, with an error that says so."""
+    engine = make_engine(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    eos = [tokenizer.token_to_id("<|im_end|>")]
+    text = "hello world"
+    canonical = tokenizer.encode(text, add_special_tokens=False)
+    output = StructuredOutput.choice([text])
+    bans = [[t] for t in canonical if len(tokenizer.decode([t])) > 1]
+    assert bans  # the canonical tokens are not all single characters
+    params = SamplingParams(temperature=0.0, max_tokens=30, structured=output,
+                            bad_words_token_ids=bans)  # fmt: skip
+    tokens, reason, _ = run_one(engine, params, eos)
+    assert reason == "stop" and tokenizer.decode(tokens) == text
+    assert not {t for [t] in bans} & set(tokens)
+
+    letters = [tokenizer.token_to_id(c) for c in "helowrd"] + [tokenizer.token_to_id("Ġ"), *eos]
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=30, structured=output,
+                            allowed_token_ids=letters)  # fmt: skip
+    tokens, reason, _ = run_one(engine, params, eos)
+    assert reason == "stop" and tokenizer.decode(tokens) == text and set(tokens) <= set(letters)
+
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=30, structured=output,
+                            allowed_token_ids=letters[1:])  # no "h"  # fmt: skip
+    tokens, reason, error = run_one(engine, params, eos)
+    assert reason == "error" and "allowed_token_ids or bad_words may leave no token" in error

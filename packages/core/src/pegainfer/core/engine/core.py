@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -72,6 +72,9 @@ from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
 from pegainfer.core.speculative.drafter import Drafter, DraftInputs
 from pegainfer.core.speculative.self_drafter import SelfDrafter
 from pegainfer.core.speculative.verify import SpeculativeDecoding
+
+if TYPE_CHECKING:
+    import llguidance
 
 logger = logging.getLogger(__name__)
 
@@ -596,13 +599,21 @@ class EngineCore:
         """Validate a request against the model; return its resolved max_tokens."""
         max_tokens = RequestLimits(self.config.vocab_size, self.config.max_model_len).check(msg)
         if msg.params.structured is not None:
-            self.check_grammar(msg.params.structured, msg.eos_token_ids)
+            self._matcher(msg)
         return max_tokens
 
     def check_grammar(self, structured: StructuredOutput, eos_token_ids: list[int]) -> None:
         """Compile `structured` against the tokenizer (kept for the requests that use it), or
         raise `InvalidRequestError` saying why it cannot be served."""
         self.grammars.matcher(structured, eos_token_ids)
+
+    def _matcher(self, msg: EngineRequest) -> llguidance.LLMatcher:
+        """A fresh matcher of the request's grammar. Text the grammar forces is offered in
+        its canonical tokens only, unless the request keeps tokens from the sampler: those
+        may be the canonical ones, and the text is then written in others."""
+        assert msg.params.structured is not None
+        return self.grammars.matcher(msg.params.structured, msg.eos_token_ids,
+                                     force_tokens=not msg.params.restricts_tokens)  # fmt: skip
 
     def add_request(self, msg: EngineRequest) -> None:
         if msg.request_id in self.requests:
@@ -613,7 +624,7 @@ class EngineCore:
             generator = torch.Generator(self.runner.device).manual_seed(msg.params.seed)
         request = Request(msg, max_tokens, generator)
         if msg.params.structured is not None:
-            request.grammar = self.grammars.matcher(msg.params.structured, msg.eos_token_ids)
+            request.grammar = self._matcher(msg)
         self.requests[msg.request_id] = request
         self.scheduler.add(request)
 

@@ -136,6 +136,8 @@ class Request:
             self.finish_reason = "error"
             reason = self.grammar.get_error().split("\n", 1)[0]
             self.error = f"the structured output's grammar failed after {outputs} tokens: {reason}"
+            if self.params.restricts_tokens:  # (the sampler had no allowed token to pick)
+                self.error += "; allowed_token_ids or bad_words may leave no token it allows"
             logger.warning("request %s: %s", self.request_id, self.error)
         elif token_id in self.stop_token_ids and outputs >= self.params.min_tokens:
             self.finish_reason, self.stop_token_id = "stop", token_id

@@ -69,6 +69,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.temperature < MIN_TEMPERATURE
 
     @property
+    def restricts_tokens(self) -> bool:
+        """Whether tokens are kept from the sampler whatever their logits (`allowed_token_ids`,
+        `bad_words`)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0

@@ -140,26 +140,36 @@ class Grammars:
         release_freed_memory()
         return tokenizer
 
-    def matcher(self, output: StructuredOutput, eos_token_ids: list[int]) -> llguidance.LLMatcher:
-        """A fresh matcher for `output`; raise `InvalidRequestError` if it does not compile."""
-        key = (output.kind, output.spec, tuple(eos_token_ids))
+    def matcher(
+        self, output: StructuredOutput, eos_token_ids: list[int], *, force_tokens: bool = True
+    ) -> llguidance.LLMatcher:
+        """A fresh matcher for `output`; raise `InvalidRequestError` if it does not compile.
+
+        `force_tokens`: where the grammar allows exactly one text next, its mask allows only
+        that text's first token as the tokenizer writes it (llguidance's forcing: the model
+        writes forced text as it would). Off, any token that spells a start of it is allowed,
+        as where the grammar allows several texts."""
+        key = (output.kind, output.spec, tuple(eos_token_ids), force_tokens)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
         if compiled is None:
-            compiled = self._compile(output, eos_token_ids)
+            compiled = self._compile(output, eos_token_ids, force_tokens)
             with self._lock:
                 self._compiled[key] = compiled
                 if len(self._compiled) > _COMPILED:
                     self._compiled.popitem(last=False)
         return compiled.deep_copy()
 
-    def _compile(self, output: StructuredOutput, eos_token_ids: list[int]) -> llguidance.LLMatcher:
+    def _compile(
+        self, output: StructuredOutput, eos_token_ids: list[int], force_tokens: bool
+    ) -> llguidance.LLMatcher:
         import llguidance
 
         tokenizer = self.tokenizer(eos_token_ids)
-        matcher = llguidance.LLMatcher(tokenizer, output.grammar(), log_level=0)
+        grammar = output.grammar() if force_tokens else _without_forcing(output.grammar())
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if not matcher.is_error():
             # Some grammars compile yet fail on their first mask (a schema that is only a
             # reference to itself): refused here rather than failing the request later.
@@ -173,6 +183,18 @@ class Grammars:
 
 
 _COMPILED = 128  # compiled grammars kept for later requests
+_NO_FORCING = '%llguidance {"no_forcing": true}\n'
+
+
+def _without_forcing(grammar: str) -> str:
+    """`grammar` (Lark, or llguidance's JSON of named grammars) with llguidance's forcing
+    off; its options hold for every grammar a Lark grammar's `@name` refers to."""
+    if not grammar.lstrip().startswith("{"):
+        return _NO_FORCING + grammar
+    top = json.loads(grammar)
+    first = top["grammars"][0]["name"]
+    wrapper = {"name": "no_forcing", "lark_grammar": f"{_NO_FORCING}start: @{first}"}
+    return json.dumps(top | {"grammars": [wrapper, *top["grammars"]]})
 
 
 @cache
