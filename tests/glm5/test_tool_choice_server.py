@@ -5,6 +5,8 @@ glm47 parser reads back, values typed by the tool's schema."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -82,3 +84,24 @@ def test_forced_calls_come_back_as_tool_calls(glm, tool_choice, names, stream, t
                 "get_time": {}}[name]  # fmt: skip
     assert arguments.keys() == expected.keys()
     assert all(arguments[k] in v for k, v in expected.items()), arguments
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_answer_is_content_not_thinking(glm, stream):
+    """GLM-5 thinks from its answer's first token, but an answer held to a schema is the
+    schema's JSON from its first token: it went to reasoning_content, content empty."""
+    server, client = glm
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    kwargs = dict(model=server.model, messages=[{"role": "user", "content": "OK?"}], seed=1,
+                  max_tokens=20, response_format={"type": "json_schema", "json_schema": {
+                      "name": "ok", "schema": schema}})  # fmt: skip
+    if stream:
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs)
+                  if c.choices]  # fmt: skip
+        content = "".join(d.content or "" for d in deltas)
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        content, reasoning = message.content, getattr(message, "reasoning_content", None)
+    assert json.loads(content) in ({"ok": True}, {"ok": False}) and not reasoning

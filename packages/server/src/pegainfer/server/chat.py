@@ -198,7 +198,10 @@ class Chat:
         tool_calls = self._tool_call_parser(body, forced)
         max_calls = None if parallel else 1
         reasoning = None
-        if self.reasoning_parser is not None:
+        # An answer held to a grammar from its first token is the grammar's text: none of it
+        # is thinking (GLM-5's and Kimi-K2's parsers read an answer as thinking from its
+        # first token, and a JSON answer went to reasoning_content, its content empty).
+        if self.reasoning_parser is not None and params.structured is None:
             reasoning = partial(self.reasoning_parser.for_request, body.chat_template_kwargs or {})
         return rid, requests, lambda: AnswerParser(reasoning, tool_calls, max_calls)
 
