@@ -8,6 +8,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.sampling.structured_output import Grammars, StructuredOutput
 from pegainfer.core.text.tiny_tokenizer import write_tiny_tokenizer
 from pegainfer.core.text.token_bytes import token_bytes
@@ -61,10 +62,20 @@ def test_byte_fallback_tokens_spell_bytes_and_spaces():
 
 
 def test_a_tokenizer_of_unknown_spelling_is_refused():
+    """Its grammars are refused as requests (the engine serving them crashed on the error)."""
     backend = BackendTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     backend.decoder = decoders.WordPiece()
     with pytest.raises(ValueError, match=r"decoder \(WordPiece\) is neither"):
         token_bytes(backend)
+    tokenizer = Tokenizer(backend, special_tokens={"unk_token": "[UNK]"})
+    with pytest.raises(InvalidRequestError, match="structured output is not available: cannot"):
+        Grammars(lambda: tokenizer, 8).matcher(StructuredOutput.choice(["a"]), [0])
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(byte_level):
+    grammars = Grammars(lambda: byte_level, byte_level.vocab_size - 1)
+    with pytest.raises(InvalidRequestError, match="more than the model's vocabulary"):
+        grammars.matcher(StructuredOutput.choice(["a"]), [0])
 
 
 def test_forced_text_gets_no_leading_space_from_a_sentencepiece_tokenizer():

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from pegainfer.core.errors import ConfigError, InvalidRequestError
+from pegainfer.core.errors import InvalidRequestError
 from pegainfer.core.text.token_bytes import component_spec, token_bytes
 
 if TYPE_CHECKING:
@@ -47,13 +47,18 @@ class GrammarVocabulary:
     and the tokenizer of forced text: built once and shared by every `LLTokenizer`."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        """Raises `InvalidRequestError` where the tokenizer cannot serve grammars: the
+        request that needs one is refused, and the engine keeps serving the others."""
         tokenizer_json = tokenizer.to_json()
         self._continuation = _continuation_tokenizer(tokenizer_json)
-        table = token_bytes(self._continuation)
+        try:
+            table = token_bytes(self._continuation)
+        except ValueError as exc:
+            raise InvalidRequestError(f"structured output is not available: {exc}") from exc
         if len(table) > vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {len(table)} tokens, more than the model's vocabulary "
-                f"({vocab_size})"
+            raise InvalidRequestError(
+                f"structured output is not available: the tokenizer has {len(table)} tokens, "
+                f"more than the model's vocabulary ({vocab_size})"
             )
         self.tokens = table + [b""] * (vocab_size - len(table))
         self.special_token_ids = sorted(tokenizer.special_token_ids)
