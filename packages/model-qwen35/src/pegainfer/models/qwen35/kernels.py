@@ -291,8 +291,8 @@ def recurrent_gated_delta_rule(
 @dataclass(frozen=True)
 class DecodeLaunch:
     """Launch parameters of the fused decode kernel (`benchmarks/qwen35_delta_rule.py` times
-    them): the value columns of one program's state block (a power of two dividing dv, at most
-    dv) and its warps.
+    them): the value columns of one program's state block (a power of two dividing dv; a
+    block wider than dv is dv) and its warps.
 
     A block of the whole dv (one program per value head) normalises its own outputs and only
     waits on its key head's other value heads to move the q/k windows; a smaller block spreads
@@ -482,12 +482,14 @@ def decode_gated_delta_net(
     heads, dk, dv = shape.num_value_heads, shape.key_dim, shape.value_dim
     channels, tokens = shape.conv_channels, proj.shape[0]
     assert states.shape[1:] == (heads, dk, dv) and states.dtype == torch.float32
+    assert states.stride()[1:] == (dk * dv, dv, 1)
     assert conv_states.shape[1:] == (channels, 3) and conv_states.dtype == torch.float32
+    assert conv_states.stride()[1:] == (3, 1)
     assert conv_weight.shape[0] == channels and conv_weight.shape[-1] == 4
     assert proj.stride(1) == 1 and proj.shape[1] == channels + heads * dv + 2 * heads
     assert slots.shape[0] == tokens and norm_weight.dtype == proj.dtype
     assert arrivals.dtype == torch.int32 and arrivals.shape[1] == shape.num_key_heads
-    assert tokens <= arrivals.shape[0]
+    assert tokens <= arrivals.shape[0] and arrivals.stride() == (shape.num_key_heads, 1)
     block = min(dv, launch.block)
     if block & (block - 1) or dv % block:
         raise ValueError(f"the decode block must be a power of two dividing dv={dv}, not {block}")
