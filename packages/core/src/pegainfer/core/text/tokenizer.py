@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from pegainfer.core.errors import ConfigError, InvalidRequestError
 from pegainfer.core.loading.model_files import read_json_object
 from pegainfer.core.text.length_bound import max_chars_per_token, min_tokens
+from pegainfer.core.text.segment_cache import SegmentCache
 
 if TYPE_CHECKING:
     import jinja2
@@ -75,6 +76,8 @@ class Tokenizer:
         added_special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         named = {backend.token_to_id(t) for t in self._special_tokens.values()}
         self.special_token_ids: frozenset[int] = frozenset(added_special | named)
+        # Chat prompts tokenize per template-marker segment, their history's ids kept.
+        self._segments = SegmentCache.for_tokenizer(backend)
 
         self._chat_templates: dict[str, jinja2.Template] = {}
         if chat_templates:
@@ -131,7 +134,11 @@ class Tokenizer:
 
         Like transformers 5, the post-processor in `tokenizer.json` decides whether a BOS/EOS is
         added (Qwen adds none); `add_bos_token`/`add_eos_token` in the config are not consulted.
+        Without it, the text is tokenized per segment between special tokens and the long
+        segments' ids are kept (`segment_cache`: the same ids, a conversation's history once).
         """
+        if not add_special_tokens and self._segments is not None:
+            return self._segments.encode(text)
         # The batch call tokenizes with the GIL released (the single one holds it: a 10 MB
         # prompt would stop every other thread, the server's event loop included, for seconds).
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -143,6 +150,12 @@ class Tokenizer:
             return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         # Long ones with the GIL released, as `encode`.
         return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    @property
+    def segment_cache(self) -> SegmentCache | None:
+        """What `encode(text, add_special_tokens=False)` goes through (None: this tokenizer
+        cannot be tokenized per segment, and such texts are tokenized whole)."""
+        return self._segments
 
     @cached_property
     def max_chars_per_token(self) -> int | None:
