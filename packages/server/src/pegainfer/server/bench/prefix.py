@@ -3,13 +3,16 @@
 For each length, one random prompt is sent once to a server that has never seen it (cold: the
 whole prefill), then again and again (warm: every full block comes from the prefix cache and
 only the tail is computed). Requests go one at a time and ask for one token, so TTFT is the
-prefill or the cache hit and nothing else.
+prefill or the cache hit and nothing else. With --chat the prompt is one user message of random
+text instead of token ids, so TTFT also holds what a chat request costs before the engine sees
+it (rendering the template, tokenizing the text).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 from typing import Any
 
 from pegainfer.server.bench import report, stats
@@ -26,9 +29,14 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         tokens = await RandomTokens.create(client)
         rows = []
         for length in args.lengths:
-            prompt = tokens.ids(length, f"{args.seed}:prefix:{length}")
-            cold = await client.completion(prompt, generation)
-            warm = [await client.completion(prompt, generation) for _ in range(args.warm_runs)]
+            key = f"{args.seed}:prefix:{length}"
+            if args.chat:
+                messages = [{"role": "user", "content": await tokens.text(length, key)}]
+                send = functools.partial(client.chat, messages, generation)
+            else:
+                send = functools.partial(client.completion, tokens.ids(length, key), generation)
+            cold = await send()
+            warm = [await send() for _ in range(args.warm_runs)]
             ok = [r for r in warm if r.success]
             ttfts = [r.ttft * 1e3 for r in ok]
             rows.append({
@@ -47,6 +55,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             "base_url": args.base_url,
             "model_id": generation.model,
             "warm_runs": args.warm_runs,
+            "chat": args.chat,
             "seed": args.seed,
             "rows": rows,
         }
@@ -77,5 +86,11 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--warm-runs", type=positive_int, default=20, help="warm requests per length (default: 20)"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a chat message of random text (the lengths count its tokens "
+        "without the template's) instead of token ids",
     )
     parser.set_defaults(run=main)
