@@ -15,13 +15,15 @@ texts overlap a marker's (the tokenizer picks the leftmost-longest match among a
 tokens, which a split on the markers alone could miss). Only prompts tokenized without the
 post-processor (`add_special_tokens=False`, as chat prompts are) go through it.
 
-The ids of segments of at least `min_chars` characters are kept, least recently used first
-out, up to `max_tokens` ids in all (4 bytes each: 4 MiB by default); the misses of one prompt
-are tokenized in one batch call, with the GIL released and across tokenizers' threads.
+The ids of segments of at least `min_chars` characters are kept by a 16-byte digest of their
+text, least recently used first out, up to `max_tokens` ids in all (4 bytes each: 4 MiB by
+default); the misses of one prompt are tokenized in one batch call, with the GIL released and
+across tokenizers' threads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -66,7 +68,7 @@ class SegmentCache:
         self._marker_ids = {m: backend.token_to_id(m) for m in markers}
         self.min_chars = min_chars
         self.max_tokens = max_tokens
-        self._kept: OrderedDict[str, array] = OrderedDict()
+        self._kept: OrderedDict[bytes, array] = OrderedDict()  # by _digest of the text
         self._kept_tokens = 0
         self._lock = threading.Lock()  # the server tokenizes on a thread pool
 
@@ -106,17 +108,19 @@ class SegmentCache:
     def __contains__(self, segment: str) -> bool:
         """Whether `segment`'s ids are kept."""
         with self._lock:
-            return segment in self._kept
+            return _digest(segment) in self._kept
 
     def encode(self, text: str) -> list[int]:
         """`backend.encode(text, add_special_tokens=False).ids`, segment by segment."""
         parts = self._split(text)  # texts at even indices, markers at odd ones
+        digests = {i: _digest(parts[i]) for i in range(0, len(parts), 2)
+                   if len(parts[i]) >= self.min_chars}  # fmt: skip
         found: dict[int, array] = {}
         with self._lock:
-            for i in range(0, len(parts), 2):
-                ids = self._kept.get(parts[i])
+            for i, digest in digests.items():
+                ids = self._kept.get(digest)
                 if ids is not None:
-                    self._kept.move_to_end(parts[i])
+                    self._kept.move_to_end(digest)
                     found[i] = ids
         missing = [i for i in range(0, len(parts), 2) if i not in found and parts[i]]
         if missing:
@@ -125,7 +129,7 @@ class SegmentCache:
             )
             for i, encoding in zip(missing, encodings, strict=True):
                 found[i] = array("i", encoding.ids)
-            self._keep([(parts[i], found[i]) for i in missing if len(parts[i]) >= self.min_chars])
+            self._keep([(digests[i], found[i]) for i in missing if i in digests])
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
@@ -134,16 +138,22 @@ class SegmentCache:
                 ids.extend(found[i])
         return ids
 
-    def _keep(self, segments: list[tuple[str, array]]) -> None:
+    def _keep(self, segments: list[tuple[bytes, array]]) -> None:
         with self._lock:
-            for text, ids in segments:
-                if len(ids) > self.max_tokens or text in self._kept:
+            for digest, ids in segments:
+                if len(ids) > self.max_tokens or digest in self._kept:
                     continue
-                self._kept[text] = ids
+                self._kept[digest] = ids
                 self._kept_tokens += len(ids)
                 while self._kept_tokens > self.max_tokens:
                     _, dropped = self._kept.popitem(last=False)
                     self._kept_tokens -= len(dropped)
+
+
+def _digest(text: str) -> bytes:
+    """A segment's key: 16 bytes kept instead of its text (128 bits: no collision in any
+    cache's life)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _pieces_alike(pre_tokenizer: dict[str, Any]) -> bool:
