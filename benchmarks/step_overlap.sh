@@ -12,7 +12,8 @@
 #        1k-token prefill beside them, with async scheduling (the default) and without;
 # serve: saturated 1k/128 serving of Qwen3-4B (384 prompts, 256 in flight, as issue 19 asks)
 #        for each server flag set in SERVE_MODES, then the warm-prefix ladder on the last one;
-# multiturn: Qwen3-8B's multi-turn run and its batch-1 decode step.
+# multiturn: Qwen3-8B's multi-turn run for each server flag set in MULTITURN_MODES (default:
+#        none), then its batch-1 decode step.
 # Each stage's log and JSON go to $OUT; PEGAINFER_REVISION names the revision measured (the
 # GPU host has no git).
 set -uo pipefail
@@ -89,12 +90,16 @@ for stage in $STAGES; do
       big=/tmp/qwen3-8b
       [ -f $big/config.json ] || pegainfer-bench make-checkpoint qwen3-8b $big \
         --tokenizer-from .gpu/qwen3tok > "$OUT/checkpoint8b.log" 2>&1
-      serve_start $big ${MULTITURN_MODE:-}
-      timeout 200 pegainfer-bench multiturn --conversations 20 --turns 5 --concurrency 10 \
-        --first-turn-len 4096 --turn-len 1024 --output-len 128 \
-        --result-json "$OUT/multiturn_8b.json" > "$OUT/multiturn.log" 2>&1
-      echo "multiturn: exit $?"; tail -12 "$OUT/multiturn.log"
-      serve_stop
+      IFS=";" read -ra modes <<< "${MULTITURN_MODES:- }"
+      for mode in "${modes[@]}"; do
+        name=$(echo "$mode" | tr -d ' -' | cut -c1-40); name=${name:-default}
+        serve_start $big $mode
+        timeout 200 pegainfer-bench multiturn --conversations 20 --turns 5 --concurrency 10 \
+          --first-turn-len 4096 --turn-len 1024 --output-len 128 \
+          --result-json "$OUT/multiturn_8b_${name}.json" > "$OUT/multiturn_${name}.log" 2>&1
+        echo "multiturn [$mode]: exit $?"; tail -16 "$OUT/multiturn_${name}.log"
+        serve_stop
+      done
       timeout 200 python3 benchmarks/model_step.py --shape qwen3-8b --model-dir $big \
         --batches 1 --prefill 1024 --steps 30 --revision "$REV" \
         --out "$OUT/step_qwen3-8b.json" > "$OUT/step_8b.log" 2>&1
