@@ -9,7 +9,6 @@ the tests hold this module to it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +77,9 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(added_special | named)
         # Chat prompts tokenize per template-marker segment, their history's ids kept.
         self._segments = SegmentCache.for_tokenizer(backend)
+        #: The most characters of text one token covers (None: no bound; see `length_bound`).
+        #: Read here: computed on first use, it held a cold server's first requests ~0.8 s.
+        self.max_chars_per_token: int | None = max_chars_per_token(backend)
 
         self._chat_templates: dict[str, jinja2.Template] = {}
         if chat_templates:
@@ -156,12 +158,6 @@ class Tokenizer:
         """What `encode(text, add_special_tokens=False)` goes through (None: this tokenizer
         cannot be tokenized per segment, and such texts are tokenized whole)."""
         return self._segments
-
-    @cached_property
-    def max_chars_per_token(self) -> int | None:
-        """The most characters of text one token can cover (None: no bound); see
-        `length_bound`."""
-        return max_chars_per_token(self._backend)
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on `len(self.encode(text))`, found without tokenizing (0 where the
