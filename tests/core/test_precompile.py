@@ -8,6 +8,8 @@ import ast
 import importlib
 import json
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -218,6 +220,22 @@ def test_the_attention_backend_is_planned_on_a_decode_beside_a_prompt():
     assert "attention modules" in summary and "failed" not in summary
 
 
+def test_the_attention_backend_is_built_after_the_engines_imports():
+    """Built beside the engine's import of FlashInfer, a backend importing `flashinfer.mla`
+    deadlocked on the import locks (Python raised `_DeadlockError` on a GPU)."""
+    imported = threading.Event()
+    imports = threading.Thread(target=lambda: (time.sleep(0.2), imported.set()))
+    seen = []
+
+    def backend() -> PlannedBackend:
+        seen.append(imported.is_set())
+        return PlannedBackend()
+
+    imports.start()
+    Precompile.start(KernelPlan(None, backend), BOUNDS, torch.device("cpu"), None, imports).wait()
+    assert seen == [True]
+
+
 def test_failures_are_logged_and_left_to_the_first_launch(caplog):
     """A CPU has no Triton driver: the spawned process's warm-up fails, as do an attention
     factory and a recording that raise; `wait` says so in the log and returns."""
@@ -282,12 +300,12 @@ def test_the_engine_plans_per_layout(tmp_path, monkeypatch):
     config = json.loads((tmp_path / "config.json").read_text())
     args = EngineArgs(model=str(tmp_path), max_num_seqs=4, max_num_batched_tokens=64)
     alone = ModelContext(tmp_path, config, torch.bfloat16, torch.device("cuda"))
-    precompile = _start_precompile(args, line, alone)
+    precompile = _start_precompile(args, line, alone, None)
     assert "failed" in precompile.wait()
     assert {launch.name for launch in precompile.launches} >= {"_qk_norm_rope_kv_kernel"}
     ranked = ModelContext(tmp_path, config, torch.bfloat16, torch.device("cpu"),
                           parallel=ParallelGroup(0, 2))  # fmt: skip
-    precompile = _start_precompile(args, line, ranked)
+    precompile = _start_precompile(args, line, ranked, None)
     assert "0 Triton launches" in precompile.wait() and precompile.launches == ()
     monkeypatch.setattr(Qwen3Line, "kernel_plan", ModelLine.kernel_plan)
-    assert _start_precompile(args, line, alone) is None
+    assert _start_precompile(args, line, alone, None) is None

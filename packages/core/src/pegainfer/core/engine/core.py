@@ -248,7 +248,8 @@ class EngineCore:
         self.precompile: Precompile | None = None
         if device.type == "cuda":
             self.precompile = _start_precompile(args, source.line,
-                                                spec.context(device, 0, nodes.world))  # fmt: skip
+                                                spec.context(device, 0, nodes.world),
+                                                self._backend_import)  # fmt: skip
             self._startup.mark("model line imported, kernel plan started")
         self.ranks: TensorParallelRanks | None = None
         self.runner: ModelRunner | None = None  # once the model is built
@@ -938,7 +939,7 @@ class EngineCore:
 
 
 def _start_precompile(
-    args: EngineArgs, line: ModelLine, context: ModelContext
+    args: EngineArgs, line: ModelLine, context: ModelContext, imports: threading.Thread | None
 ) -> Precompile | None:
     """Start compiling what the engine's steps will launch (`kernels/precompile.py`); None for
     a line with nothing to compile, or whose plan could not be made (the steps then compile
@@ -961,7 +962,7 @@ def _start_precompile(
     ranks = [(group.rank, group.world_size) for group in (context.parallel, context.data_parallel)]
     inputs = repr((line.name, json.dumps(context.config, sort_keys=True), str(context.dtype),
                    ranks, context.expert_parallel, bounds))  # fmt: skip
-    return Precompile.start(plan, bounds, context.device, inputs)
+    return Precompile.start(plan, bounds, context.device, inputs, imports)
 
 
 def _import_in_background(modules: tuple[str, ...], startup: StartupLog) -> threading.Thread:

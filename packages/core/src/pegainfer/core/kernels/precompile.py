@@ -244,8 +244,10 @@ class Precompile:
         bounds: StepBounds,
         device: torch.device,
         plan_inputs: str | None = None,
+        imports: threading.Thread | None = None,
     ) -> None:
         self._plan = plan
+        self._imports = imports
         self._plan_inputs = plan_inputs
         self._bounds = bounds
         self._device = device
@@ -273,13 +275,21 @@ class Precompile:
         bounds: StepBounds,
         device: torch.device,
         plan_inputs: str | None = None,
+        imports: threading.Thread | None = None,
     ) -> Precompile:
-        self = cls(plan, bounds, device, plan_inputs)
+        """`imports`: a thread importing the kernels' libraries (the engine's); the attention
+        modules are built once it has finished."""
+        self = cls(plan, bounds, device, plan_inputs, imports)
         for thread in self._threads:
             thread.start()
         return self
 
     def _build_attention(self) -> None:
+        if self._imports is not None:
+            # Not beside it: importing a submodule (`flashinfer.mla`) while another thread
+            # runs the package's `__init__` can deadlock on the two modules' import locks
+            # (Python then raises `_DeadlockError` in one of the threads; seen on a GPU).
+            self._imports.join()
         try:
             self._use_device()
             backend = self._plan.attention()
