@@ -107,3 +107,20 @@ def test_pipelines_that_can_fold_a_run_into_one_token_claim_no_bound(backend):
 def test_without_a_bound_a_text_has_at_least_zero_tokens(tok: Tokenizer, monkeypatch):
     monkeypatch.setitem(tok.__dict__, "max_chars_per_token", None)
     assert tok.min_tokens("x" * 10_000) == 0
+
+
+def test_the_bound_is_read_when_the_tokenizer_is_built_not_on_a_request(tmp_path, monkeypatch):
+    """Read on first use it held a fresh server's first requests ~0.8 s each (Qwen3's
+    151k-token vocabulary), every concurrent one computing it again."""
+    import pegainfer.core.text.tokenizer as tokenizer_module
+
+    calls = []
+    real = tokenizer_module.max_chars_per_token
+    monkeypatch.setattr(tokenizer_module, "max_chars_per_token",
+                        lambda backend: calls.append(1) or real(backend))  # fmt: skip
+    write_tiny_tokenizer(tmp_path, special_tokens=SPECIAL, eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>", chat_template="")  # fmt: skip
+    built = Tokenizer.from_dir(tmp_path)
+    assert len(calls) == 1
+    assert [built.min_tokens("x" * n) for n in (1, 100, 10_000)] == [1, 2, 193]
+    assert len(calls) == 1
