@@ -265,8 +265,11 @@ class FlashInferPagedAttention(PagedAttention):
         max_pages_per_seq: int,
         graph_buckets: tuple[int, ...] = (),
         decode_kernels: DecodeKernels | None = None,
+        prefill_backend: str = "fa2",
     ) -> None:
-        """`decode_kernels`: by default `auto`'s choice for the shape."""
+        """`decode_kernels`: by default `auto`'s choice for the shape. `prefill_backend`:
+        FlashInfer's kernel family for the prefill rows, "fa2" (what the engine runs) or "fa3"
+        (Hopper's; `benchmarks/prefill_attention.py` compares the two)."""
         import flashinfer
 
         super().__init__(shape)
@@ -276,7 +279,7 @@ class FlashInferPagedAttention(PagedAttention):
         self.decode_kernels.check(shape)
         self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend="fa2"
+            self._workspace, "NHD", backend=prefill_backend
         )
         # One set of index buffers, sliced per bucket: graphs replay one at a time.
         largest = max(graph_buckets, default=0)
