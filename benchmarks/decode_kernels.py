@@ -89,6 +89,17 @@ def copies_past_l2(nbytes: int, most: int) -> int:
     return max(2, min(most, math.ceil(L2_MULTIPLE * l2 / nbytes)))
 
 
+def layer_kv_copies(
+    shape: GQAShape, num_blocks: int, num_layers: int, gpu: torch.Generator
+) -> list[torch.Tensor]:
+    """Random paged KV of `num_blocks` blocks for one layer, in as many copies (at most
+    `num_layers`) as a cycle through them needs to defeat L2."""
+    layer_bytes = num_blocks * 2 * BLOCK * shape.num_kv_heads * shape.head_dim * 2
+    copies = copies_past_l2(layer_bytes, num_layers)
+    return [randn(num_blocks, 2, BLOCK, shape.num_kv_heads, shape.head_dim, g=gpu)
+            for _ in range(copies)]  # fmt: skip
+
+
 def decode_batch(batch: int, context: int, num_blocks: int, g: torch.Generator) -> ForwardBatch:
     """`batch` decodes of `context` tokens each (the new one included) over scattered blocks."""
     pages = -(-context // BLOCK)
@@ -111,10 +122,8 @@ def time_attention(
     device, dtype = torch.device("cuda"), torch.bfloat16
     pages = -(-context // BLOCK)
     num_blocks = batch * pages
-    layer_bytes = num_blocks * 2 * BLOCK * shape.num_kv_heads * shape.head_dim * 2
-    layers = copies_past_l2(layer_bytes, cfg["num_hidden_layers"])
-    kv = [randn(num_blocks, 2, BLOCK, shape.num_kv_heads, shape.head_dim, g=gpu)
-          for _ in range(layers)]  # fmt: skip
+    kv = layer_kv_copies(shape, num_blocks, cfg["num_hidden_layers"], gpu)
+    layers = len(kv)
     step = decode_batch(batch, context, num_blocks, g)
     q = randn(batch, shape.num_heads, shape.head_dim, g=gpu)
     reference = TorchPagedAttention(shape)

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-from decode_kernels import BLOCK, TOLERANCE, copies_past_l2, randn, rel_err
-from model_step import matmul_rate
+from decode_kernels import BLOCK, TOLERANCE, layer_kv_copies, randn, rel_err
+from model_step import cuda_time, matmul_rate
 
 from pegainfer.core.attention.paged import FlashInferPagedAttention, GQAShape, TorchPagedAttention
 from pegainfer.core.runner.forward_batch import ForwardBatch
@@ -51,30 +50,14 @@ def prefill_batch(context: int, chunk: int, seqs: int, g: torch.Generator) -> Fo
                               BLOCK, torch.device("cuda"))  # fmt: skip
 
 
-def event_time(call, reps: int = 10) -> float:
-    """Median seconds of `call()`, after a warm-up call."""
-    call()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def time_case(cfg: dict, case: str, flops_rate: float, g: torch.Generator,
               gpu: torch.Generator) -> dict:  # fmt: skip
     context, chunk, seqs = parse_case(case)
     shape = GQAShape(cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
     pages = -(-(context + chunk) // BLOCK)
     num_blocks = seqs * pages
-    layer_bytes = num_blocks * 2 * BLOCK * shape.num_kv_heads * shape.head_dim * 2
-    layers = copies_past_l2(layer_bytes, cfg["num_hidden_layers"])
-    kv = [randn(num_blocks, 2, BLOCK, shape.num_kv_heads, shape.head_dim, g=gpu)
-          for _ in range(layers)]  # fmt: skip
+    kv = layer_kv_copies(shape, num_blocks, cfg["num_hidden_layers"], gpu)
+    layers = len(kv)
     batch = prefill_batch(context, chunk, seqs, g)
     q = randn(seqs * chunk, shape.num_heads, shape.head_dim, g=gpu)
     reference = TorchPagedAttention(shape)
@@ -93,8 +76,12 @@ def time_case(cfg: dict, case: str, flops_rate: float, g: torch.Generator,
             out = torch.empty_like(q)
             attn.attend(q, kv[0], out)
             row[f"{backend}_rel_err"] = rel_err(out, want)
-            seconds = event_time(lambda attn=attn, out=out: [attn.attend(q, kv[i], out)
-                                                             for i in range(layers)])  # fmt: skip
+
+            def layers_once(attn=attn, out=out) -> None:
+                for kv_layer in kv:
+                    attn.attend(q, kv_layer, out)
+
+            seconds = cuda_time(layers_once, iters=10)
         except Exception as error:  # a backend this GPU or FlashInfer build lacks
             row[f"{backend}_error"] = repr(error)[:300]
             continue
