@@ -71,19 +71,18 @@ def run_wave(
     steps: list[dict] = []
     after_first = 0
     while engine.has_unfinished_requests and after_first <= decode_steps:
-        launched = len(engine._step_tokens)
         started = time.perf_counter()
         outputs = engine.step()
         ended = time.perf_counter()
-        tokens = engine._step_tokens[-1] if len(engine._step_tokens) > launched else 0
+        stats = engine.stats()  # the tokens of the step this call launched, if it launched one
         for output in outputs:
             if output.new_token_ids and output.request_id not in first_token:
                 first_token[output.request_id] = ended
         steps.append(
             {
                 "ms": 1000 * (ended - started),
-                "tokens": tokens,
-                "running": len(engine.scheduler.running),
+                "tokens": sum(stats.step_tokens),
+                "running": stats.num_running,
             }
         )
         if profiler is not None and len(steps) == profile_steps:

@@ -293,8 +293,8 @@ async def serve(
         try:
             engine_config = await _load(engine, stop)
             frontend = await frontend_load
-            # A first streamed response would import anyio's asyncio backend (starlette runs
-            # it in a task group): 0.1 s of one request's TTFT on a busy CPU. Imported here.
+            # A first streamed response would import anyio's asyncio backend (starlette, which
+            # brings anyio, runs it in a task group): 0.1 s of its TTFT on a busy CPU.
             await anyio.sleep(0)
             line_defaults = {
                 "reasoning": engine_config.reasoning_parser,

@@ -55,9 +55,8 @@ def max_chars_per_token(backend: BackendTokenizer) -> int | None:
     if any(token.lstrip or token.rstrip for token in added):
         return None
     size = backend.get_vocab_size(with_added_tokens=False)
-    longest = max((len(backend.id_to_token(i) or "") for i in range(size)), default=1)
-    longest = max([longest, *(len(token.content) for token in added)])
-    return max(longest, 1) * shrink
+    texts = [backend.id_to_token(i) or "" for i in range(size)] + [t.content for t in added]
+    return max(1, max(map(len, texts), default=0)) * shrink
 
 
 def min_tokens(num_chars: int, chars_per_token: int | None) -> int:
